@@ -1,0 +1,1 @@
+"""Sandbox runtime (E2B-compatible API) and task environments for agentic rollouts."""

@@ -1,0 +1,1 @@
+"""Agent scaffolds: tools, prompts, context management, skills, memories, subagents."""

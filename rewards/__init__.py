@@ -1,0 +1,1 @@
+"""Reward graders. Every grader assumes the policy cheats and checks from outside its workspace."""
