@@ -1,0 +1,1 @@
+"""The K3 hybrid model (KDA + Gated MLA + Stable LatentMoE)."""
