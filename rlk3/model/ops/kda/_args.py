@@ -7,6 +7,7 @@ with ``HV % H == 0`` (grouped value attention), g ``[B,T,HV,K]`` in log space, b
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -93,7 +94,7 @@ def check_inputs(
                 f"got dtype {cu_seqlens.dtype} shape {_shape(cu_seqlens)}"
             )
         offs = cu_seqlens.tolist()
-        if offs[0] != 0 or offs[-1] != T or any(b < a for a, b in zip(offs, offs[1:])):
+        if offs[0] != 0 or offs[-1] != T or any(b < a for a, b in itertools.pairwise(offs)):
             raise ValueError(
                 f"{fn}: `cu_seqlens` must start at 0, be non-decreasing and end at T={T}; got {offs[:8]}"
                 + ("..." if len(offs) > 8 else "")

@@ -24,6 +24,8 @@ the sub-chunk boundary ``b`` (``e^{Γ_r − Γ_b}``, ``e^{Γ_b − Γ_e}``, ``e^
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -99,7 +101,7 @@ def _chunk_forward(q, k, v, g, beta, S, chunk_size):
 
 def _to_padded(x: torch.Tensor, offs: list[int], T_pad: int) -> torch.Tensor:
     """[1, ΣT, ...] -> [N, T_pad, ...], each sequence left-aligned and zero-padded at its end."""
-    pieces = [F.pad(x[0, a:b], (0, 0) * (x.dim() - 2) + (0, T_pad - (b - a))) for a, b in zip(offs, offs[1:])]
+    pieces = [F.pad(x[0, a:b], (0, 0) * (x.dim() - 2) + (0, T_pad - (b - a))) for a, b in itertools.pairwise(offs)]
     return torch.stack(pieces, dim=0)
 
 
@@ -150,7 +152,7 @@ def torch_chunk_kda(
         tensors = [F.pad(t, (0, 0) * (t.dim() - 2) + (0, T_pad - shapes.T)) for t in (qf, kf, vf, gf, bf)]
     else:
         offs = cu_seqlens.tolist()
-        longest = max(b - a for a, b in zip(offs, offs[1:]))
+        longest = max(b - a for a, b in itertools.pairwise(offs))
         T_pad = max(chunk_size, -(-longest // chunk_size) * chunk_size)
         tensors = [_to_padded(t, offs, T_pad) for t in (qf, kf, vf, gf, bf)]
     qp, kp, vp, gp, bp = (t.transpose(1, 2) for t in tensors)  # head-major
@@ -160,5 +162,5 @@ def torch_chunk_kda(
     if offs is None:
         o = o[:, : shapes.T]
     else:
-        o = torch.cat([o[n, : b - a] for n, (a, b) in enumerate(zip(offs, offs[1:]))], dim=0).unsqueeze(0)
+        o = torch.cat([o[n, : b - a] for n, (a, b) in enumerate(itertools.pairwise(offs))], dim=0).unsqueeze(0)
     return o.to(v.dtype), (state_out(S, state_v_first) if output_final_state else None)

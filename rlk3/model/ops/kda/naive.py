@@ -12,6 +12,8 @@ options (gate, l2norm, beta sigmoid), ``state_v_first`` and varlen ``cu_seqlens`
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from rlk3.model.ops.kda._args import check_inputs, compute_dtype, preprocess, state_in, state_out
@@ -71,7 +73,7 @@ def naive_recurrent_kda(
     else:
         offs = cu_seqlens.tolist()
         pieces, finals = [], []
-        for n, (a, b) in enumerate(zip(offs, offs[1:])):
+        for n, (a, b) in enumerate(itertools.pairwise(offs)):
             o_n, S_n = _recur(qf[:, a:b], kf[:, a:b], vf[:, a:b], gf[:, a:b], bf[:, a:b], S0[n : n + 1])
             pieces.append(o_n)
             finals.append(S_n)
