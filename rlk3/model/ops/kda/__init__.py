@@ -51,7 +51,7 @@ def _use_fla(x: torch.Tensor, backend: str | None, fn: str) -> bool:
         return False
     usable = x.is_cuda and _fla_ops() is not None
     if backend == "fla" and not usable:
-        why = "inputs are not CUDA tensors" if not x.is_cuda else "flash-linear-attention (with triton) is not importable"
+        why = "inputs are not CUDA tensors" if not x.is_cuda else "flash-linear-attention is not importable"
         raise RuntimeError(f"{fn}: backend='fla' requested but {why}; use backend='torch' or None")
     return usable
 

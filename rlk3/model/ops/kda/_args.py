@@ -118,7 +118,9 @@ def check_inputs(
         if A_log is not None and A_log.numel() != HV:
             raise ValueError(f"{fn}: `A_log` must have HV={HV} elements (one per head), got {_shape(A_log)}")
         if dt_bias is not None and dt_bias.numel() != HV * K:
-            raise ValueError(f"{fn}: `dt_bias` must have HV*K={HV * K} elements (one per channel), got {_shape(dt_bias)}")
+            raise ValueError(
+                f"{fn}: `dt_bias` must have HV*K={HV * K} elements (one per channel), got {_shape(dt_bias)}"
+            )
     if safe_gate and use_gate_in_kernel:
         if lower_bound is None:
             raise ValueError(f"{fn}: safe_gate=True with use_gate_in_kernel=True needs `lower_bound` in [-5, 0)")
