@@ -89,6 +89,7 @@ class K3Config(PretrainedConfig):
         qk_rope_head_dim: int = 16,
         v_head_dim: int = 32,
         mla_output_gate: bool = True,
+        mla_norm_eps: float = 1e-6,
         # feed-forward: a dense first layer, then Stable LatentMoE
         intermediate_size: int = 256,
         num_experts: int = 16,
@@ -132,6 +133,7 @@ class K3Config(PretrainedConfig):
         self.qk_rope_head_dim = qk_rope_head_dim
         self.v_head_dim = v_head_dim
         self.mla_output_gate = mla_output_gate
+        self.mla_norm_eps = mla_norm_eps  # the q/kv latent RMSNorms (DeepSeek/Kimi use 1e-6 there)
         self.intermediate_size = intermediate_size
         self.num_experts = num_experts
         self.num_experts_per_token = num_experts_per_token
@@ -241,7 +243,9 @@ class K3Config(PretrainedConfig):
         one_of("kda_gate", KDA_GATES)
         one_of("hidden_act", ACTIVATIONS)
         one_of("kda_chunk_size", KDA_CHUNK_SIZES)
-        for key in ("situ_beta", "situ_linear_beta", "rms_norm_eps", "initializer_range", "routed_scaling_factor"):
+        for key in (
+            "situ_beta", "situ_linear_beta", "rms_norm_eps", "mla_norm_eps", "initializer_range", "routed_scaling_factor"
+        ):
             positive_float(key)
         if self.kda_head_dim > 256:
             raise K3ConfigError(f"K3Config.kda_head_dim must be <= 256 (KDA kernels), got {self.kda_head_dim}")

@@ -3,8 +3,10 @@
 For token i the router selects the top k of ``s_i + b`` (sigmoid scores plus the routing bias, which is used for
 selection only). Take top-(k+1) once: its (k+1)-th value is the token's cutoff ``α_i``. Expert j would be selected
 for token i iff ``s_ij + b_j > α_i``, i.e. iff ``b_j > r_ij := α_i − s_ij``. Balanced routing gives every expert
-``q = N·k/E`` tokens, so the next bias of expert j is the (q+1)-th smallest ``r_:j`` (the negative of the
+``q = N·k/E`` tokens, so the next bias of expert j sits at the (q+1)-th smallest ``r_:j`` (the negative of the
 (q+1)-th largest raw margin ``s_ij − α_i``): with the cutoffs held fixed and no ties, exactly q tokens clear it.
+We place it halfway between the q-th and (q+1)-th margins rather than on the (q+1)-th: the same q tokens clear
+it, and the token at the edge is not decided by the rounding of ``s + b`` against ``α``.
 The biases are then mean-centred (selection only depends on their differences) and applied on the next step.
 
 A pricing view: the bias is each expert's price in an assignment problem; DeepSeek-V3's auxiliary-loss-free
@@ -59,7 +61,8 @@ def quantile_balancing_bias(scores: torch.Tensor, bias: torch.Tensor, k: int, ce
     if q >= N:  # every token must select every expert: any bias above the largest margin does
         new = r.max(dim=0).values + 1.0
     else:
-        new = r.kthvalue(q + 1, dim=0).values  # the (q+1)-th smallest margin
+        lowest = r.topk(q + 1, dim=0, largest=False).values  # sorted ascending: [q + 1, E]
+        new = lowest[q] if q == 0 else 0.5 * (lowest[q - 1] + lowest[q])
     new = new.to(bias.dtype)
     return new - new.mean() if center else new
 

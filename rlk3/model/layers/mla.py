@@ -35,10 +35,10 @@ class GatedMLA(nn.Module):
             self.q_proj = nn.Linear(hidden, H * qk_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps=config.rms_norm_eps)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps=config.mla_norm_eps)
             self.q_b_proj = nn.Linear(config.q_lora_rank, H * qk_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, config.kv_lora_rank + config.qk_rope_head_dim, bias=False)
-        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, eps=config.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, eps=config.mla_norm_eps)
         self.kv_b_proj = nn.Linear(config.kv_lora_rank, H * (self.nope_dim + self.v_dim), bias=False)
         self.g_proj = nn.Linear(hidden, H * self.v_dim, bias=False) if config.mla_output_gate else None
         self.o_proj = nn.Linear(H * self.v_dim, hidden, bias=False)

@@ -18,8 +18,9 @@ both independent of the state. The chunk's outputs and final state are then dens
 Only the state hand-off between chunks is sequential. Every exponent above is ≤ 0 *if it is formed as a
 difference*; factoring ``e^{Γ_r − Γ_s} = e^{Γ_r} e^{−Γ_s}`` overflows once a chunk decays by more than ~88 nats
 (fp32), which the unbounded softplus gate reaches easily. So the decayed Gram matrices are built in 16-token
-sub-chunks: exact pairwise differences on the diagonal sub-blocks, and off the diagonal a factorisation through
-the sub-chunk boundary ``b`` (``e^{Γ_r − Γ_b}``, ``e^{Γ_b − Γ_e}``, ``e^{Γ_e − Γ_s}``), where every factor is ≤ 1.
+sub-chunks: off the diagonal a factorisation through the sub-chunk boundaries (``e^{Γ_r − Γ_b}``, ``e^{Γ_b − Γ_e}``,
+``e^{Γ_e − Γ_s}``, every factor ≤ 1); on the diagonal one matmul when the decay inside each sub-chunk is bounded
+(K3's gate: at most 5 nats a token) and exact pairwise differences when it is not (an unbounded softplus gate).
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ CHUNK_SIZES = (16, 32, 64)
 SUB_CHUNK = 16
 
 
+# Largest decay (nats) inside one sub-chunk for which the diagonal blocks may be factored as
+# e^{Γ_r − Γ_b} · e^{Γ_b − Γ_s}: the second factor reaches e^{decay}, so stay well inside each dtype's range.
+_SAFE_SUB_CHUNK_DECAY = {torch.float32: 60.0, torch.float64: 600.0}
+
+
 def _decayed_gram(x: torch.Tensor, y: torch.Tensor, G: torch.Tensor, inclusive: bool) -> torch.Tensor:
     """``M[..., r, s] = Σ_c x[r,c] y[s,c] exp(G[r,c] − G[s,c])`` for s < r (s ≤ r if inclusive), else 0.
 
@@ -47,22 +53,29 @@ def _decayed_gram(x: torch.Tensor, y: torch.Tensor, G: torch.Tensor, inclusive: 
     r_idx = torch.arange(c, device=x.device)
     keep = (r_idx[:, None] >= r_idx[None, :]) if inclusive else (r_idx[:, None] > r_idx[None, :])
 
-    # diagonal sub-blocks: exact pairwise exponent differences, masked to -inf before exp (no overflow)
-    diff = Gs.unsqueeze(-2) - Gs.unsqueeze(-3)  # [..., n, c(r), c(s), K]
-    diff = diff.masked_fill(~keep[..., None], float("-inf"))
-    diag = torch.einsum("...irk,...isk,...irsk->...irs", xs, ys, diff.exp())
+    ends = Gs[..., -1, :]  # [..., n, K]   Γ at the last token of each sub-chunk
+    starts = torch.cat([torch.zeros_like(ends[..., :1, :]), ends[..., :-1, :]], dim=-2)  # Γ before sub-chunk i
+    x_from_start = xs * (Gs - starts.unsqueeze(-2)).exp()  # x_r e^{Γ_r − Γ_b(i)}, factor <= 1
+
+    # diagonal sub-blocks
+    if bool((starts - ends).amax() < _SAFE_SUB_CHUNK_DECAY.get(x.dtype, 60.0)):
+        # bounded decay inside every sub-chunk (always so for K3's gate): one matmul per block
+        y_back = ys * (starts.unsqueeze(-2) - Gs).exp()  # y_s e^{Γ_b − Γ_s} <= e^{sub-chunk decay}
+        diag = (x_from_start @ y_back.transpose(-1, -2)).masked_fill(~keep, 0.0)
+    else:
+        # exact pairwise exponent differences, masked to -inf before exp (no overflow whatever the decay)
+        diff = Gs.unsqueeze(-2) - Gs.unsqueeze(-3)  # [..., n, c(r), c(s), K]
+        diff = diff.masked_fill(~keep[..., None], float("-inf"))
+        diag = torch.einsum("...irk,...isk,...irsk->...irs", xs, ys, diff.exp())
     if n == 1:
         return diag.reshape(*lead, C, C)
 
     # off-diagonal sub-blocks (j < i): factor through the boundaries, every factor <= 1
-    ends = Gs[..., -1, :]  # [..., n, K]   Γ at the last token of each sub-chunk
-    starts = torch.cat([torch.zeros_like(ends[..., :1, :]), ends[..., :-1, :]], dim=-2)  # Γ before sub-chunk i
-    x_from_start = xs * (Gs - starts.unsqueeze(-2)).exp()  # x_r e^{Γ_r − Γ_b(i)}
     y_to_end = ys * (ends.unsqueeze(-2) - Gs).exp()  # y_s e^{Γ_e(j) − Γ_s}
     between = starts.unsqueeze(-2) - ends.unsqueeze(-3)  # [..., n(i), n(j), K]: Γ_b(i) − Γ_e(j)
     blk = torch.arange(n, device=x.device)
     between = between.masked_fill(~(blk[:, None] > blk[None, :])[..., None], float("-inf"))
-    off = torch.einsum("...irk,...ijk,...jsk->...ijrs", x_from_start, between.exp(), y_to_end)
+    off = (x_from_start.unsqueeze(-3) * between.exp().unsqueeze(-2)) @ y_to_end.unsqueeze(-4).transpose(-1, -2)
     eye = torch.eye(n, dtype=x.dtype, device=x.device)[:, :, None, None]
     full = off + eye * diag.unsqueeze(-3)  # [..., n(i), n(j), c(r), c(s)]
     return full.transpose(-3, -2).reshape(*lead, C, C)
@@ -143,6 +156,10 @@ def torch_chunk_kda(
         allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias, dtype=dtype,
     )
     S0 = state_in(initial_state, shapes, state_v_first, dtype, q.device)
+    longest = shapes.T if cu_seqlens is None else max(b - a for a, b in itertools.pairwise(cu_seqlens.tolist()))
+    # a sequence shorter than the chunk gains nothing from padding up to it (same result, less work)
+    while chunk_size > SUB_CHUNK and chunk_size // 2 >= longest:
+        chunk_size //= 2
 
     # Pad every sequence at its end to a multiple of the chunk. Pad tokens carry k = v = β = 0 and g = 0
     # (no decay), so they leave the state exactly as the last real token left it.

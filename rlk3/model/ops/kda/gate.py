@@ -31,7 +31,9 @@ def kda_gate(
     if lower_bound is not None:
         if A_log is not None:
             x = A_log.to(output_dtype).view(H, 1).exp() * x
-        return lower_bound * torch.sigmoid(x)
+        # sigmoid rounds to exactly 0 below about -104 in fp32; clamping at -80 (sigmoid ≈ 2e-35) keeps the gate
+        # strictly inside [lower_bound, 0) as the safe-gate kernels assume, and changes nothing measurable
+        return lower_bound * torch.sigmoid(x.clamp(min=-80.0))
     if A_log is None:
         raise ValueError("kda_gate: the softplus gate (lower_bound=None) needs A_log [H]; got None")
     return -A_log.to(output_dtype).view(H, 1).exp() * F.softplus(x)
