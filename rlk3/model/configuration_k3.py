@@ -244,7 +244,8 @@ class K3Config(PretrainedConfig):
         one_of("hidden_act", ACTIVATIONS)
         one_of("kda_chunk_size", KDA_CHUNK_SIZES)
         for key in (
-            "situ_beta", "situ_linear_beta", "rms_norm_eps", "mla_norm_eps", "initializer_range", "routed_scaling_factor"
+            "situ_beta", "situ_linear_beta", "rms_norm_eps", "mla_norm_eps", "initializer_range",
+            "routed_scaling_factor",
         ):
             positive_float(key)
         if self.kda_head_dim > 256:
