@@ -53,11 +53,12 @@ class K3DecoderLayer(nn.Module):
         self.mlp = MLP(config.hidden_size, config.intermediate_size, config) if dense else StableLatentMoE(config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.attn_res = self.mlp_res = None
         if config.attn_res_block_size > 0:
-            self.attn_res = AttnResMixer(config.hidden_size, config.rms_norm_eps)
+            # layer 0's attention reads the embedding alone (nothing to mix), so it has no pre-attention mixer
+            if layer_idx > 0:
+                self.attn_res = AttnResMixer(config.hidden_size, config.rms_norm_eps)
             self.mlp_res = AttnResMixer(config.hidden_size, config.rms_norm_eps)
-        else:
-            self.attn_res = self.mlp_res = None
 
     def attention(self, x: torch.Tensor, batch: _Batch) -> torch.Tensor:
         h = self.input_layernorm(x)

@@ -66,9 +66,13 @@ class AttnResStream:
             self.blocks.append(self.partial)  # the partial sum completes a block (layer 0: the embedding)
             self.at_boundary = True
 
-    def read(self, mixer: AttnResMixer) -> torch.Tensor:
+    def read(self, mixer: AttnResMixer | None) -> torch.Tensor:
         # at a boundary the partial sum *is* the block just completed, so it is not a second source
-        return mixer(self.blocks if self.at_boundary else [*self.blocks, self.partial])
+        sources = self.blocks if self.at_boundary else [*self.blocks, self.partial]
+        if mixer is None:  # only layer 0's attention, whose single source is the embedding
+            assert len(sources) == 1
+            return sources[0]
+        return mixer(sources)
 
     def write(self, out: torch.Tensor) -> None:
         if self.at_boundary:

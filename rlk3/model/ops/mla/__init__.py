@@ -42,15 +42,18 @@ def _check(q_nope, q_rope, latent, k_rope, w_uk, w_uv, mask):
 def mla_attention_absorbed(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale, mask):
     """Weight absorption: ``q̃_h = W_UK_hᵀ q_h`` scores against the latent directly; the attended latent is
     lifted by ``W_UV_h`` afterwards. Never materialises per-head keys or values."""
-    q_lat = torch.einsum("bthd,hdl->bthl", q_nope.float(), w_uk.float())  # [B, T, H, L]
-    scores = torch.einsum("bthl,bsl->bhts", q_lat, latent.float())
-    scores = scores + torch.einsum("bthr,bsr->bhts", q_rope.float(), k_rope.float())
+    out_dtype = q_nope.dtype
+    f = torch.promote_types(q_nope.dtype, torch.float32)  # fp32 at least, fp64 for fp64 inputs
+    q_nope, q_rope, latent, k_rope, w_uk, w_uv = (t.to(f) for t in (q_nope, q_rope, latent, k_rope, w_uk, w_uv))
+    q_lat = torch.einsum("bthd,hdl->bthl", q_nope, w_uk)  # [B, T, H, L]
+    scores = torch.einsum("bthl,bsl->bhts", q_lat, latent)
+    scores = scores + torch.einsum("bthr,bsr->bhts", q_rope, k_rope)
     scores = scores * scale
     if mask is not None:
         scores = scores.masked_fill(~mask[:, None], float("-inf"))
     p = scores.softmax(dim=-1)
-    o_lat = torch.einsum("bhts,bsl->bthl", p, latent.float())
-    return torch.einsum("bthl,hvl->bthv", o_lat, w_uv.float()).to(q_nope.dtype)
+    o_lat = torch.einsum("bhts,bsl->bthl", p, latent)
+    return torch.einsum("bthl,hvl->bthv", o_lat, w_uv).to(out_dtype)
 
 
 def mla_attention(

@@ -28,12 +28,15 @@ def mla_attention_reference(
 ) -> torch.Tensor:
     """q_nope ``[B, T, H, nope]``, q_rope ``[B, T, H, R]``, latent ``[B, S, L]``, k_rope ``[B, S, R]``,
     mask ``[B, T, S]`` (True = may attend) → ``[B, T, H, v]``. Softmax in fp32."""
+    out_dtype = q_nope.dtype
+    f = torch.promote_types(q_nope.dtype, torch.float32)  # fp32 at least, fp64 for fp64 inputs
+    q_nope, q_rope, latent, k_rope, w_uk, w_uv = (t.to(f) for t in (q_nope, q_rope, latent, k_rope, w_uk, w_uv))
     k_nope = torch.einsum("bsl,hdl->bshd", latent, w_uk)
     v = torch.einsum("bsl,hdl->bshd", latent, w_uv)
-    scores = torch.einsum("bthd,bshd->bhts", q_nope.float(), k_nope.float())
-    scores = scores + torch.einsum("bthr,bsr->bhts", q_rope.float(), k_rope.float())
+    scores = torch.einsum("bthd,bshd->bhts", q_nope, k_nope)
+    scores = scores + torch.einsum("bthr,bsr->bhts", q_rope, k_rope)
     scores = scores * scale
     if mask is not None:
         scores = scores.masked_fill(~mask[:, None], float("-inf"))
     p = scores.softmax(dim=-1)
-    return torch.einsum("bhts,bshd->bthd", p, v.float()).to(q_nope.dtype)
+    return torch.einsum("bhts,bshd->bthd", p, v).to(out_dtype)
