@@ -1,0 +1,1 @@
+"""Sandbox runtime (placeholder docstring, replaced below)."""
