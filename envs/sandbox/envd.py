@@ -165,7 +165,7 @@ class ProcessService(Process):
     async def _follow(self, link: AgentLink, p: ProcState, deadline_ms: str | None, *, kill_on_close: bool):
         q = p.subscribe()
         ended = False
-        limit = time.monotonic() + float(deadline_ms) / 1000 + 1.0 if deadline_ms else None
+        limit = time.monotonic() + float(deadline_ms) / 1000 if deadline_ms else None
         try:
             yield _event("start", p.pid)
             while True:
@@ -174,7 +174,10 @@ class ProcessService(Process):
                     kind, data = await asyncio.wait_for(q.get(), wait)
                 except TimeoutError:
                     if limit is not None and time.monotonic() >= limit:
-                        return  # the client's deadline passed: the finally block kills the command
+                        # Connect servers enforce the client's deadline; the finally block kills the command
+                        raise ConnectError(
+                            Code.DEADLINE_EXCEEDED, f"command {p.pid} exceeded its timeout"
+                        ) from None
                     yield _event("keepalive", None)
                     continue
                 if (
