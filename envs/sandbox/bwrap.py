@@ -10,7 +10,8 @@ Disk layout (one loop-mounted btrfs image per server state directory):
     layers/<id>/upper   sealed, read-only subvolumes: the base skeleton, template layers, snapshot layers
     uppers/<id>/upper   one writable subvolume per live sandbox with a qgroup limit (the disk quota)
     images/<id>/        CRIU images (memory pauses, memory snapshots, fork sources)
-    mnt/<sandbox>       the mountpoint of the sandbox's overlay (mounted only in its private namespace)
+    /run/rlk3-sbx-<tag>/{root,run}  where the launcher's private mount namespace mounts the sandbox's
+                        overlay and the agent directory (never visible in the host's namespace)
 """
 
 from __future__ import annotations
@@ -88,9 +89,12 @@ CRIU_COMMON = [
     "--file-locks",
     "--manage-cgroups=ignore",
 ]
-AGENT_ID_MAP = (
-    "0 0 65536"  # a wide map: CRIU restores net sysctls (ping_group_range "1 0") that need gid 1 mapped
-)
+# Sandbox ids 0..65535 are host ids 100000..165535: root in a sandbox is an unprivileged host user, so even
+# where the kernel checks only file ownership (e.g. sysctls under /proc/sys), it is not the host's root. The
+# map is wide because CRIU restores net sysctls such as ping_group_range ("1 0") that need gid 1 mapped.
+ID_SHIFT = 100000
+ID_COUNT = 65536
+ID_MAP = f"0 {ID_SHIFT} {ID_COUNT}"
 
 
 def find_criu(explicit: str | None = None) -> str | None:
@@ -117,9 +121,12 @@ class BwrapBackend:
         self.reaper = reaper
         self.disk_gb = disk_gb
         self.disk = state / "disk"
-        self.run_dir = state / "run"
         tag = hashlib.sha1(str(state.resolve()).encode()).hexdigest()[:8]
         self.cgroups = Cgroups(tag)
+        self.view = Path(f"/run/rlk3-sbx-{tag}")
+        # the agent's directory (its code and the server's socket) must be reachable by the sandbox's
+        # unprivileged host uid, also when CRIU re-binds it on restore: a short path under /run, mode 755
+        self.run_dir = self.view / "agent"
         self.criu = find_criu(criu)
         self.userns_holder: int | None = None
         self.userns_fd: int | None = None
@@ -131,16 +138,21 @@ class BwrapBackend:
                 raise HostError(f"{tool} is missing: run `make system` (scripts/setup.d/sandbox.sh) first")
         self.state.mkdir(parents=True, exist_ok=True)
         await ensure_disk(self.reaper, self.state / "disk.img", self.disk, self.disk_gb)
-        for d in ("layers", "uppers", "images", "mnt"):
+        for d in ("layers", "uppers", "images"):
             (self.disk / d).mkdir(exist_ok=True)
-        self.run_dir.mkdir(exist_ok=True)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        for d in (self.view / "root", self.run_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.view, 0o755)
         shutil.copyfile(Path(__file__).with_name("agent.py"), self.run_dir / "agent.py")
         self._start_userns_holder()
 
     def _start_userns_holder(self) -> None:
-        # bwrap can map only one uid; a holder process owns a user namespace with a wide identity map that
-        # every freshly booted sandbox joins (``bwrap --userns``). Root inside has capabilities only over
-        # namespaces owned by it; CRIU-restored sandboxes get a user namespace of their own.
+        # bwrap can map only one uid; a holder process owns a user namespace with the wide shifted map that
+        # every freshly booted sandbox joins (nsenter, then bwrap as the namespace's root = host uid 100000).
+        # Host root creates it so that host root owns it: this machine's root lacks CAP_SYS_RESOURCE, and
+        # CRIU may read the rlimits of processes under another uid only in a namespace its caller owns.
+        # CRIU-restored sandboxes get a user namespace of their own, also owned by host root.
         pid = self.reaper.spawn(
             [
                 "/usr/bin/setpriv",
@@ -162,7 +174,7 @@ class BwrapBackend:
             time.sleep(0.001)
         for f in ("uid_map", "gid_map"):
             with open(f"/proc/{pid}/{f}", "w") as fh:
-                fh.write(AGENT_ID_MAP)
+                fh.write(ID_MAP)
         self.userns_holder = pid
         self.userns_fd = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
 
@@ -176,6 +188,12 @@ class BwrapBackend:
         if unmount:
             await release_disk(self.reaper, self.disk)
         self.cgroups.remove_tree()  # only succeeds once no sandbox leaf is left
+        for f in ("agent.py", "agent.sock"):
+            with contextlib.suppress(OSError):
+                (self.run_dir / f).unlink()
+        for d in (self.view / "root", self.run_dir, self.view):
+            with contextlib.suppress(OSError):
+                d.rmdir()
 
     # ------------------------------------------------------------------------------------ layers
     def layer_path(self, layer: str) -> Path:
@@ -192,6 +210,7 @@ class BwrapBackend:
         subvol_create(path)
         (path / "upper").mkdir()
         (path / "work").mkdir()
+        os.chown(path / "upper", ID_SHIFT, ID_SHIFT)  # the sandbox's "/" belongs to its own root
         qgroup_limit(path, limits.disk_mb << 20)
 
     def seal(self, upper: str, layer: str) -> None:
@@ -225,7 +244,7 @@ class BwrapBackend:
 
     def build_base_layer(self) -> str:
         """The skeleton every sandbox starts from: empty mountpoints, merged-usr links, a copied /etc."""
-        h = hashlib.sha256(b"rlk3-base-v1")
+        h = hashlib.sha256(f"rlk3-base-v2-{ID_MAP}".encode())
         for name in sorted(ETC_ALLOW):
             p = Path("/etc") / name
             if p.is_file() and not p.is_symlink():
@@ -282,6 +301,7 @@ class BwrapBackend:
         (root / "etc/hostname").write_text("sandbox\n")
         (root / "etc/hosts").write_text("127.0.0.1\tlocalhost sandbox\n::1\tlocalhost ip6-localhost\n")
         (root / "etc/resolv.conf").write_text("# no network: sandboxes have loopback only\n")
+        _shift_ids(root)
         shutil.rmtree(tmp / "work", ignore_errors=True)
         os.rename(tmp, self.layer_path(layer))
         set_readonly(self.layer_path(layer), True)
@@ -303,18 +323,20 @@ class BwrapBackend:
         info_fd: int | None = None,
         extra_fds: tuple[int, ...] = (),
     ) -> int:
-        mnt = self.disk / "mnt" / sid
-        mnt.mkdir(exist_ok=True)
+        # In the launcher's private mount namespace the sandbox's root is mounted at a fixed path,
+        # /run/rlk3-sbx-<tag>/root (one mount per namespace, so sandboxes never collide): bwrap runs as the
+        # unprivileged sandbox uid and must be able to reach it whatever the state path is.
         script = (
             'set -e; for f in $RLK3_CGROUPS; do echo $$ > "$f"; done; cd "$RLK3_DISK"; '
-            'mount -t overlay overlay -o "$RLK3_OVL" "$RLK3_MNT"; exec "$@"'
+            'mount -t overlay overlay -o "$RLK3_OVL" "$RLK3_VIEW/root"; '
+            'exec "$@"'
         )
         env = {
             "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
             "RLK3_CGROUPS": " ".join(procs_files),
             "RLK3_DISK": str(self.disk),
             "RLK3_OVL": self._overlay_opts(layers, upper),
-            "RLK3_MNT": str(mnt),
+            "RLK3_VIEW": str(self.view),
         }
         argv = [
             "/usr/bin/unshare",
@@ -332,26 +354,28 @@ class BwrapBackend:
         return self.reaper.spawn(argv, env=env, setsid=True, pass_fds=fds)
 
     def _bwrap_argv(self, sid: str, info_fd: int) -> list[str]:
-        mnt = str(self.disk / "mnt" / sid)
         argv = [
+            "/usr/bin/nsenter",
+            f"--user=/proc/self/fd/{self.userns_fd}",
+            "--setuid=0",
+            "--setgid=0",
+            "--",
             "/usr/bin/bwrap",
-            "--userns",
-            str(self.userns_fd),
-            "--uid",
-            "0",
-            "--gid",
-            "0",
             "--unshare-pid",
             "--unshare-net",
             "--unshare-ipc",
             "--unshare-uts",
             "--unshare-cgroup-try",
             "--as-pid-1",
+            # capabilities inside the sandbox's own user namespace only (the agent switches users for
+            # commands); the host uid behind them is unprivileged
+            "--cap-add",
+            "ALL",
             "--new-session",
             "--hostname",
             "sandbox",
             "--bind",
-            mnt,
+            str(self.view / "root"),
             "/",
         ]
         for name in HOST_RO:
@@ -440,7 +464,6 @@ class BwrapBackend:
         procs = self.cgroups.create(sid, limits)
         pidfile = self.run_dir / f"restore-{sid}.pid"
         log = f"restore-{sid}.log"
-        mnt = str(self.disk / "mnt" / sid)
         argv = [
             self.criu,
             "restore",
@@ -449,7 +472,7 @@ class BwrapBackend:
             "-o",
             log,
             "--root",
-            mnt,
+            str(self.view / "root"),
             "-d",
             "--pidfile",
             str(pidfile),
@@ -481,8 +504,6 @@ class BwrapBackend:
     async def destroy(self, sid: str) -> None:
         """Kill every process of the sandbox and remove its cgroups and mountpoint."""
         await self.cgroups.remove(sid)
-        with contextlib.suppress(OSError):
-            (self.disk / "mnt" / sid).rmdir()
 
     def cpu_usec(self, sid: str) -> int:
         return self.cgroups.cpu_usec(sid)
@@ -492,6 +513,16 @@ class BwrapBackend:
 
     def alive(self, sid: str) -> bool:
         return bool(self.cgroups.procs(sid))
+
+
+def _shift_ids(root: Path) -> None:
+    """Give the skeleton to the sandbox's ids (host 0 -> 100000, 1000 -> 101000)."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [".", *dirnames, *filenames]:
+            p = os.path.join(dirpath, name)
+            st = os.lstat(p)
+            if st.st_uid < ID_COUNT and st.st_gid < ID_COUNT:
+                os.lchown(p, st.st_uid + ID_SHIFT, st.st_gid + ID_SHIFT)
 
 
 def _protect(pid: int) -> None:
