@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         default=os.environ.get("RLK3_SANDBOX_API_KEY"),
         help="require this X-API-KEY on REST calls (default: accept any)",
     )
-    s.add_argument("--log-level", default="warning")
+    s.add_argument("--log-level", default="info")
     args = ap.parse_args(argv)
 
     if os.geteuid() != 0:

@@ -40,13 +40,19 @@ BUILTIN: dict[str, TemplateSpec] = {
     "python": TemplateSpec(
         name="python",
         parent="base",
+        # login shells (commands.run uses `bash -l`) reset PATH in /etc/profile; profile.d puts the venv back
+        files={
+            "/etc/profile.d/rlk3-venv.sh": "export VIRTUAL_ENV=/opt/venv\nexport PATH=/opt/venv/bin:$PATH\n"
+        },
         setup=("python3 -m venv --system-site-packages /opt/venv", "/opt/venv/bin/python -c 'import pytest'"),
         envs={
             "PATH": "/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
             "VIRTUAL_ENV": "/opt/venv",
         },
     ),
-    # web tasks: node from the host, an npm cache that works offline (sandboxes have no network)
+    # web tasks: node from the host, an npm cache that works offline (sandboxes have no network). The cache
+    # holds package tarballs; installing a package *by registry name* offline would also need its registry
+    # metadata, which this demo cache does not carry: tasks install from the shipped tarballs.
     "node": TemplateSpec(
         name="node",
         parent="base",
@@ -58,6 +64,7 @@ BUILTIN: dict[str, TemplateSpec] = {
             "command -v node && command -v npm",
             "cd /opt/npm-src && npm pack ./rlk3-hello --cache /opt/npm-cache --offline >/dev/null",
             "npm cache add /opt/npm-src/rlk3-hello-1.0.0.tgz --cache /opt/npm-cache --offline",
+            "chmod -R a+rwX /opt/npm-cache /opt/npm-src",
         ),
         envs={
             "npm_config_cache": "/opt/npm-cache",

@@ -137,3 +137,21 @@ def server(tmp_path_factory):
     ]
     assert not leftovers, f"cgroups left behind: {leftovers}"
     assert not srv.sandbox_mounts()
+
+
+@pytest.fixture
+def server_factory():
+    """Start extra servers (e.g. to restart one on the same state); each is stopped at the end."""
+    started: list[Server] = []
+
+    def start(state: Path, *extra: str) -> Server:
+        srv = start_server(state, *extra)
+        started.append(srv)
+        return srv
+
+    start.kill_all = kill_all
+    yield start
+    for srv in started:
+        if srv.proc.poll() is None:
+            kill_all(srv)
+            srv.stop()

@@ -44,7 +44,10 @@ def test_network_egress_to_a_host_loopback_listener_fails(server, sandbox):
     listener.settimeout(0.5)
     port = listener.getsockname()[1]
     try:
-        _code, out = run(sh(sandbox, f"""python3 - <<'EOF'
+        _code, out = run(
+            sh(
+                sandbox,
+                f"""python3 - <<'EOF'
 import socket
 for kind in ("tcp", "udp"):
     try:
@@ -56,7 +59,9 @@ for kind in ("tcp", "udp"):
     except OSError as e:
         print(kind, "failed", e)
 EOF
-ls /sys/class/net 2>/dev/null || cat /proc/net/dev; echo routes; tail -n +2 /proc/net/route"""))
+ls /sys/class/net 2>/dev/null || cat /proc/net/dev; echo routes; tail -n +2 /proc/net/route""",
+            )
+        )
         assert "tcp failed" in out, out  # its own loopback has no listener: the host's is unreachable
         with pytest.raises(TimeoutError):
             listener.accept()  # and nothing arrived on the host
@@ -73,12 +78,15 @@ def test_cannot_read_or_write_host_files_server_state_or_other_sandboxes(server,
             await other.files.write("/home/user/secret.txt", "other sandbox's secret")
             host_state = str(server.state)
             core_pattern = Path("/proc/sys/kernel/core_pattern").read_text()
-            _, out = await sh(sandbox, f"""
+            _, out = await sh(
+                sandbox,
+                f"""
 cat /etc/shadow; ls {host_state}; ls /work; ls /root/.cache; ls /tmp/pytest-of-root
 grep -rl "other sandbox's secret" /home /tmp /root /var /opt /run /mnt /srv /etc 2>/dev/null
 for p in /proc/[0-9]*; do ls $p/root/home/user 2>/dev/null; done | grep secret
 echo pwn > /usr/bin/rlk3-pwn; touch /usr/lib/rlk3-pwn; echo '|/tmp/pwn' > /proc/sys/kernel/core_pattern
-umount /usr; mount -o remount,rw /usr; echo done""")
+umount /usr; mount -o remount,rw /usr; echo done""",
+            )
             assert "No such file" in out and "Read-only file system" in out
             assert "secret" not in out.replace("secret.txt", "")
             assert not os.path.exists("/usr/bin/rlk3-pwn") and not os.path.exists("/usr/lib/rlk3-pwn")
@@ -153,8 +161,9 @@ def test_memory_bomb_is_oom_killed_inside_only(server, sandbox):
 def test_disk_fill_stops_at_the_quota(server, sandbox):
     async def go():
         free_before = shutil.disk_usage("/").free
-        _code, out = await sh(sandbox, "dd if=/dev/zero of=/home/user/fill bs=1M count=3000 2>&1; sync",
-                             timeout=120)
+        _code, out = await sh(
+            sandbox, "dd if=/dev/zero of=/home/user/fill bs=1M count=3000 2>&1; sync", timeout=120
+        )
         assert "Disk quota exceeded" in out or "No space left" in out, out
         size = int((await sandbox.commands.run("stat -c %s /home/user/fill")).stdout)
         assert size <= (1024 + 64) << 20  # the template's 1 GiB quota (plus btrfs slack)
@@ -168,12 +177,16 @@ def test_disk_fill_stops_at_the_quota(server, sandbox):
 def test_proc_and_ptrace_cannot_reach_host_processes(server, sandbox):
     async def go():
         server_pid = server.proc.pid
-        _code, out = await sh(sandbox, f"""
+        _code, out = await sh(
+            sandbox,
+            f"""
 ls /proc | grep -E '^[0-9]+$' | wc -l; test -e /proc/{server_pid} && echo SEES-SERVER
 kill -9 {server_pid} 2>&1; echo kill=$?
 python3 -c "import ctypes; l=ctypes.CDLL(None, use_errno=True); \\
   print('ptrace', l.ptrace(16, {server_pid}, 0, 0), ctypes.get_errno())"
-cat /proc/1/cmdline | tr '\\0' ' '""", user="user")
+cat /proc/1/cmdline | tr '\\0' ' '""",
+            user="user",
+        )
         assert "SEES-SERVER" not in out
         assert "kill=1" in out  # no such process in its PID namespace
         assert "ptrace -1 3" in out or "ptrace -1 1" in out  # ESRCH (not visible) or EPERM
@@ -190,7 +203,10 @@ def test_no_process_survives_kill(server):
         marker = f"rlk3-survivor-{sid}"
         await sbx.commands.run(
             f"""nohup setsid bash -c 'trap "" TERM HUP INT; exec -a {marker} sleep 1000' >/dev/null 2>&1 &
-            (setsid bash -c 'exec -a {marker} sleep 1001' &) ; sleep 0.2""", user="root", timeout=10)
+            (setsid bash -c 'exec -a {marker} sleep 1001' &) ; sleep 0.2""",
+            user="root",
+            timeout=10,
+        )
         host = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
         assert len(host) >= 2
         assert await sbx.kill()
@@ -202,7 +218,9 @@ def test_no_process_survives_kill(server):
 
 def test_agent_socket_refuses_impostors(server, sandbox):
     async def go():
-        _code, out = await sh(sandbox, """python3 - <<'EOF'
+        _code, out = await sh(
+            sandbox,
+            """python3 - <<'EOF'
 import socket, struct, json
 s = socket.socket(socket.AF_UNIX); s.connect("/run/rlk3/agent.sock")
 h = json.dumps({"ev": "hello", "sid": "x", "procs": []}).encode()
@@ -211,7 +229,8 @@ try:
     print("closed" if s.recv(10) == b"" else "answered")
 except (BrokenPipeError, ConnectionResetError):
     print("closed")
-EOF""")
+EOF""",
+        )
         assert "closed" in out
         assert (await sandbox.commands.run("echo ok")).stdout == "ok\n"
 
