@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
         help="registry, disk image and CRIU images live here; a restart with the same --state keeps "
         "paused sandboxes and snapshots",
     )
-    s.add_argument("--backend", choices=("bwrap", "gvisor"), default="bwrap")
+    s.add_argument("--backend", choices=("bwrap",), default="bwrap")
     s.add_argument(
         "--disk-gb", type=int, default=64, help="size of the sparse btrfs image holding all layers"
     )

@@ -140,12 +140,8 @@ class Manager:
         self.reaper = Reaper()
         if backend == "bwrap":
             self.backend = BwrapBackend(self.state, self.reaper, disk_gb=disk_gb, criu=criu)
-        elif backend == "gvisor":
-            from .gvisor import GvisorBackend
-
-            self.backend = GvisorBackend(self.state, self.reaper, disk_gb=disk_gb)
         else:
-            raise ValueError(f"unknown backend {backend!r}; valid: bwrap, gvisor")
+            raise ValueError(f"unknown backend {backend!r}; valid: bwrap (gvisor is not implemented yet)")
         if default_pause not in ("memory", "freeze"):
             raise ValueError(f"default_pause must be 'memory' or 'freeze', not {default_pause!r}")
         self.default_pause = default_pause
