@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,7 +28,7 @@ GOALS = {"create": 50.0, "fork x8": 300.0}
 
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
 async def timed(fn) -> float:
@@ -39,18 +38,32 @@ async def timed(fn) -> float:
 
 
 async def lifecycle(reps: int, opts: dict) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {k: [] for k in (
-        "create", "exec true", "pause (freeze)", "resume (freeze)", "pause (memory)", "resume (memory)",
-        "snapshot", "fork x8", "kill")}
+    out: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "create",
+            "exec true",
+            "pause (freeze)",
+            "resume (freeze)",
+            "pause (memory)",
+            "resume (memory)",
+            "snapshot",
+            "fork x8",
+            "kill",
+        )
+    }
     for _ in range(reps):
         t = time.perf_counter()
         sbx = await AsyncSandbox.create(**opts)
         out["create"].append((time.perf_counter() - t) * 1000)
-        await sbx.commands.run("i=0; while true; do i=$((i+1)); echo $i > /tmp/c; sleep 0.1; done",
-                               background=True, timeout=0)
+        await sbx.commands.run(
+            "i=0; while true; do i=$((i+1)); echo $i > /tmp/c; sleep 0.1; done", background=True, timeout=0
+        )
         for _ in range(3):
             out["exec true"].append(await timed(lambda s=sbx: s.commands.run("true")))
-        out["pause (freeze)"].append(await timed(lambda s=sbx: s.pause(api_headers={"X-Rlk3-Pause": "freeze"})))
+        out["pause (freeze)"].append(
+            await timed(lambda s=sbx: s.pause(api_headers={"X-Rlk3-Pause": "freeze"}))
+        )
         out["resume (freeze)"].append(await timed(lambda s=sbx: AsyncSandbox.connect(s.sandbox_id, **opts)))
         out["pause (memory)"].append(await timed(lambda s=sbx: s.pause()))
         out["resume (memory)"].append(await timed(lambda s=sbx: AsyncSandbox.connect(s.sandbox_id, **opts)))
@@ -88,9 +101,13 @@ async def density(n: int, opts: dict) -> dict:
         for sid in ids[:: max(1, len(ids) // 20)]:  # spot-check that they all still answer
             s = await AsyncSandbox.connect(sid, **opts)
             ok += (await s.commands.run("echo ok")).stdout == "ok\n"
-        return {"idle sandboxes": len(ids), "seconds to create": time.perf_counter() - t,
-                "MiB per idle sandbox": per / 2**20, "spot checks ok": ok,
-                "MiB available after": _mem_available() / 2**20}
+        return {
+            "idle sandboxes": len(ids),
+            "seconds to create": time.perf_counter() - t,
+            "MiB per idle sandbox": per / 2**20,
+            "spot checks ok": ok,
+            "MiB available after": _mem_available() / 2**20,
+        }
     finally:
         await asyncio.gather(*(AsyncSandbox.kill(sid, **opts) for sid in ids))
 
@@ -107,8 +124,13 @@ async def throughput(conc: int, per: int, opts: dict) -> dict:
     await asyncio.gather(*(worker(s) for s in boxes))
     wall = time.perf_counter() - t
     await asyncio.gather(*(s.kill() for s in boxes))
-    return {"concurrent sandboxes": conc, "execs": len(lat), "execs/s": len(lat) / wall,
-            "p50 ms": pct(lat, 0.5), "p95 ms": pct(lat, 0.95)}
+    return {
+        "concurrent sandboxes": conc,
+        "execs": len(lat),
+        "execs/s": len(lat) / wall,
+        "p50 ms": pct(lat, 0.5),
+        "p95 ms": pct(lat, 0.95),
+    }
 
 
 def _mem_available() -> int:
@@ -131,9 +153,23 @@ def main() -> None:
     if url is None:
         state = Path(tempfile.mkdtemp(prefix="rlk3-bench-")) / "state"
         url = "http://127.0.0.1:3917"
-        proc = subprocess.Popen([sys.executable, "-m", "envs.sandbox", "serve", "--port", "3917", "--state",
-                                 str(state), "--max-sandboxes", str(args.density + 50), "--log-level", "warning"],
-                                cwd=ROOT)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "envs.sandbox",
+                "serve",
+                "--port",
+                "3917",
+                "--state",
+                str(state),
+                "--max-sandboxes",
+                str(args.density + 50),
+                "--log-level",
+                "warning",
+            ],
+            cwd=ROOT,
+        )
         for _ in range(600):
             try:
                 if httpx.get(url + "/health", timeout=1).status_code == 200:
@@ -152,14 +188,27 @@ def main() -> None:
     rows = {k: {"p50": pct(v, 0.5), "p95": pct(v, 0.95), "n": len(v)} for k, v in lat.items()}
     print(f"{'operation':<18}{'p50 ms':>9}{'p95 ms':>9}   reference")
     for k, r in rows.items():
-        ref = f"AgentENV {AGENTENV[k]:.0f} ms" if k in AGENTENV else (f"goal <= {GOALS[k]:.0f} ms" if k in GOALS
-                                                                       else "")
+        ref = (
+            f"AgentENV {AGENTENV[k]:.0f} ms"
+            if k in AGENTENV
+            else (f"goal <= {GOALS[k]:.0f} ms" if k in GOALS else "")
+        )
         print(f"{k:<18}{r['p50']:>9.1f}{r['p95']:>9.1f}   {ref}")
     print("density:", json.dumps(dens, default=float))
     print("throughput:", json.dumps(thr, default=float))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"latency_ms": rows, "density": dens, "throughput": thr,
-                                    "reps": args.reps, "machine": f"{os.cpu_count()} cores"}, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {
+                "latency_ms": rows,
+                "density": dens,
+                "throughput": thr,
+                "reps": args.reps,
+                "machine": f"{os.cpu_count()} cores",
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {args.out}")
 
 
