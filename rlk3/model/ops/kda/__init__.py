@@ -3,12 +3,15 @@
 ``chunk_kda`` (training, prefill) and ``fused_recurrent_kda`` (decode) call flash-linear-attention's Triton
 kernels when the inputs are CUDA tensors and FLA imports; otherwise they run the torch references beside them
 (``chunk.py``: chunkwise, differentiable; ``naive.py``: the per-token ground truth). ``backend="torch"`` forces
-the reference on any device (the GPU tests compare the two); ``backend="fla"`` insists on FLA.
+the reference on any device (the GPU tests compare the two); ``backend="fla"`` insists on FLA. The environment
+variable ``RLK3_KDA_BACKEND`` (``torch`` | ``fla``) sets the default for calls that pass no backend, e.g. to run a
+whole model on the reference path on a GPU.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -45,8 +48,10 @@ def fla_available() -> bool:
 
 
 def _use_fla(x: torch.Tensor, backend: str | None, fn: str) -> bool:
+    if backend is None:
+        backend = os.environ.get("RLK3_KDA_BACKEND") or None
     if backend not in BACKENDS:
-        raise ValueError(f"{fn}: `backend` must be one of {BACKENDS}, got {backend!r}")
+        raise ValueError(f"{fn}: `backend` must be one of {BACKENDS} (or RLK3_KDA_BACKEND unset), got {backend!r}")
     if backend == "torch":
         return False
     usable = x.is_cuda and _fla_ops() is not None
