@@ -70,7 +70,9 @@ def main() -> None:
     for name, backend in paths:
         if backend:
             os.environ["RLK3_KDA_BACKEND"] = backend
+        print(f"timing: {name} ...", flush=True)
         sec = time_fn(step_fn(model, opt, x, device), warmup=3, iters=args.iters)
+        print(f"  {sec * 1e3:.1f} ms/step", flush=True)
         os.environ.pop("RLK3_KDA_BACKEND", None)
         row = {"path": name, "step_ms": sec * 1e3, "tokens/s": tokens / sec}
         if gpu:
