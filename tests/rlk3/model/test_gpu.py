@@ -40,8 +40,11 @@ def run(backend, tensors, kwargs):
     leaves = [t.clone().requires_grad_(True) for t in tensors]
     q, k, v, g, beta, h0 = leaves
     o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, backend=backend, **kwargs)
-    torch.manual_seed(7)
-    do, ds = torch.randn_like(o), torch.randn_like(s)
+    # explicit shapes, not randn_like: a *_like tensor copies the strides, so a transposed output would receive
+    # the same random numbers in a different logical order
+    g_cuda = torch.Generator(device="cuda").manual_seed(7)
+    do = torch.randn(o.shape, device="cuda", generator=g_cuda)
+    ds = torch.randn(s.shape, device="cuda", generator=g_cuda)
     ((o.float() * do.float()).sum() + (s * ds).sum()).backward()
     return {"o": o, "state": s, "dq": q.grad, "dk": k.grad, "dv": v.grad, "dg": g.grad, "dbeta": beta.grad}
 

@@ -180,4 +180,4 @@ def torch_chunk_kda(
         o = o[:, : shapes.T]
     else:
         o = torch.cat([o[n, : b - a] for n, (a, b) in enumerate(itertools.pairwise(offs))], dim=0).unsqueeze(0)
-    return o.to(v.dtype), (state_out(S, state_v_first) if output_final_state else None)
+    return o.to(v.dtype).contiguous(), (state_out(S, state_v_first) if output_final_state else None)
