@@ -1,0 +1,137 @@
+"""Agentic domain: multi-turn tool tasks in a sandbox, each needing at least two tool calls.
+
+* ``lookup``: which port does a service use? ``services.txt`` names the config file that holds it — two hops.
+* ``run``: ``run.txt`` names a script and its argument; run exactly that and report what it prints.
+* ``fix``: ``python3 check.py`` fails until ``settings.ini`` has the mode it asks for; fix it, rerun, report.
+
+Graded on the final answer (the ``answer`` grader): the value cannot be known without using the tools (the
+port sits in a file the prompt does not name; the script output and the success token are computed by code
+the policy has to run or read).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from envs.tasks.base import Task, check_split, split_seed
+
+KINDS = ("lookup", "run", "fix")
+SERVICES = ["auth", "billing", "cache", "search", "mailer", "gateway", "ledger", "queue", "metrics", "images",
+            "profile", "notify", "export", "sched"]
+MODES = ["fast", "safe", "eco", "debug", "strict", "turbo", "quiet", "lazy"]
+SCRIPTS = ["calc", "mix", "fold", "hash", "spin", "step"]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One move of a reference solution: a tool call, or the final answer (``tool`` is None)."""
+
+    tool: str | None
+    args: dict
+    thought: str = ""
+
+
+def _lookup(rng: random.Random) -> tuple[str, dict[str, str], str, list[Step]]:
+    svcs = rng.sample(SERVICES, rng.randint(3, 6))
+    files, lines, ports = {}, [], {}
+    for i, s in enumerate(svcs):
+        cfg = f"configs/c{rng.randint(10, 99)}{i}.ini"
+        port = rng.randint(1024, 9999)
+        ports[s] = (cfg, port)
+        lines.append(f"{s} -> {cfg}")
+        files[cfg] = f"host = 10.0.{rng.randint(0, 9)}.{rng.randint(1, 250)}\nport = {port}\nworkers = {rng.randint(1, 16)}\n"
+    files["services.txt"] = "\n".join(lines) + "\n"
+    target = rng.choice(svcs)
+    cfg, port = ports[target]
+    prompt = (f"Which port does the service '{target}' use? services.txt says which config file describes each "
+              f"service. End with 'Answer: <port>'.")
+    steps = [
+        Step("shell", {"cmd": "cat services.txt"}, "First see which config file belongs to the service."),
+        Step("shell", {"cmd": f"cat {cfg}"}, f"{target} is described in {cfg}."),
+        Step(None, {"answer": str(port)}, f"The config says port = {port}."),
+    ]
+    return prompt, files, str(port), steps
+
+
+def _run(rng: random.Random) -> tuple[str, dict[str, str], str, list[Step]]:
+    name = rng.choice(SCRIPTS)
+    a, b, m = rng.randint(2, 9), rng.randint(1, 50), rng.choice([97, 89, 83, 101])
+    arg = rng.randint(1, 500)
+    path = f"tools/{name}.py"
+    files = {
+        path: ("import sys\n"
+               f"n = int(sys.argv[1])\n"
+               f"print((n * {a} + {b}) % {m})\n"),
+        "run.txt": f"python3 {path} {arg}\n",
+    }
+    decoy = rng.choice([s for s in SCRIPTS if s != name])
+    files[f"tools/{decoy}.py"] = f"import sys\nprint(int(sys.argv[1]) * {rng.randint(2, 9)})\n"
+    value = str((arg * a + b) % m)
+    prompt = "Run the command written in run.txt and report the number it prints. End with 'Answer: <number>'."
+    steps = [
+        Step("shell", {"cmd": "cat run.txt"}, "Read which command to run."),
+        Step("shell", {"cmd": f"python3 {path} {arg}"}, "Run exactly that command."),
+        Step(None, {"answer": value}, f"It printed {value}."),
+    ]
+    return prompt, files, value, steps
+
+
+def _fix(rng: random.Random) -> tuple[str, dict[str, str], str, list[Step]]:
+    right, wrong = rng.sample(MODES, 2)
+    secret = rng.randint(100, 999)
+    token = f"ok {sum(map(ord, right)) * secret % 10000}"
+    files = {
+        "settings.ini": f"mode = {wrong}\nlevel = {rng.randint(1, 5)}\n",
+        "check.py": (
+            "import sys\n"
+            "conf = dict(l.split(' = ', 1) for l in open('settings.ini').read().splitlines() if ' = ' in l)\n"
+            "mode = conf.get('mode', '').strip()\n"
+            f"if mode != '{right}':\n"
+            f"    print(f'error: mode must be {right}, found {{mode}}')\n"
+            "    sys.exit(1)\n"
+            f"print('ok', sum(map(ord, mode)) * {secret} % 10000)\n"
+        ),
+    }
+    prompt = ("The command 'python3 check.py' fails. Fix settings.ini so that it succeeds, run it again and "
+              "report the line it prints. End with 'Answer: <line>'.")
+    steps = [
+        Step("shell", {"cmd": "python3 check.py"}, "See why the check fails."),
+        Step("shell", {"cmd": f"sed -i 's/^mode = .*/mode = {right}/' settings.ini"}, f"It wants mode {right}."),
+        Step("shell", {"cmd": "python3 check.py"}, "Run the check again."),
+        Step(None, {"answer": token}, "The check passes now."),
+    ]
+    return prompt, files, token, steps
+
+
+MAKERS = {"lookup": _lookup, "run": _run, "fix": _fix}
+
+
+def _build(split: str, index: int, kind: str | None):
+    check_split(split)
+    rng = random.Random(split_seed("agentic", split, index))
+    kind = rng.choice(KINDS) if kind is None else kind
+    if kind not in MAKERS:
+        raise ValueError(f"agentic: kind must be one of {list(KINDS)}, got {kind!r}")
+    return kind, *MAKERS[kind](rng)
+
+
+def task(split: str, index: int, kind: str | None = None) -> Task:
+    kind, prompt, files, answer, _ = _build(split, index, kind)
+    return Task(
+        task_id=f"agentic/{split}/{index}",
+        domain="agentic",
+        prompt=prompt,
+        grader="answer",
+        grading={"answer": answer, "kind": "text" if " " in answer else "numeric"},
+        files=files,
+        max_turns=6,
+        difficulty=KINDS.index(kind),
+        meta={"kind": kind},
+    )
+
+
+def solution(t: Task) -> list[Step]:
+    """The reference moves for a task built by :func:`task` (for SFT demonstrations)."""
+    _, split, index = t.task_id.split("/")
+    return _build(split, int(index), t.meta["kind"])[4]
