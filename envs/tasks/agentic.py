@@ -40,7 +40,8 @@ def _lookup(rng: random.Random) -> tuple[str, dict[str, str], str, list[Step]]:
         port = rng.randint(1024, 9999)
         ports[s] = (cfg, port)
         lines.append(f"{s} -> {cfg}")
-        files[cfg] = f"host = 10.0.{rng.randint(0, 9)}.{rng.randint(1, 250)}\nport = {port}\nworkers = {rng.randint(1, 16)}\n"
+        host = f"10.0.{rng.randint(0, 9)}.{rng.randint(1, 250)}"
+        files[cfg] = f"host = {host}\nport = {port}\nworkers = {rng.randint(1, 16)}\n"
     files["services.txt"] = "\n".join(lines) + "\n"
     target = rng.choice(svcs)
     cfg, port = ports[target]
