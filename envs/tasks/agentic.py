@@ -11,10 +11,11 @@ the policy has to run or read).
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 
-from envs.tasks.base import Task, check_split, split_seed
+from envs.tasks.base import Task, draw
 
 KINDS = ("lookup", "run", "fix")
 SERVICES = ["auth", "billing", "cache", "search", "mailer", "gateway", "ledger", "queue", "metrics", "images",
@@ -109,12 +110,15 @@ MAKERS = {"lookup": _lookup, "run": _run, "fix": _fix}
 
 
 def _build(split: str, index: int, kind: str | None):
-    check_split(split)
-    rng = random.Random(split_seed("agentic", split, index))
-    kind = rng.choice(KINDS) if kind is None else kind
-    if kind not in MAKERS:
+    if kind is not None and kind not in MAKERS:
         raise ValueError(f"agentic: kind must be one of {list(KINDS)}, got {kind!r}")
-    return kind, *MAKERS[kind](rng)
+
+    def build(rng):
+        k = rng.choice(KINDS) if kind is None else kind
+        made = MAKERS[k](rng)
+        return made[0] + json.dumps(made[1], sort_keys=True), (k, *made)
+
+    return draw("agentic", split, index, build)
 
 
 def task(split: str, index: int, kind: str | None = None) -> Task:

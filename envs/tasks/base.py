@@ -60,7 +60,30 @@ def check_split(split: str) -> None:
         raise TaskError(f"split must be one of {list(SPLITS)}, got {split!r}")
 
 
-def split_seed(suite: str, split: str, index: int) -> int:
-    """Disjoint, reproducible randomness per (suite, split, index): held-out tasks never collide with training."""
-    digest = hashlib.sha256(f"{suite}|{split}|{index}".encode()).digest()
+def split_seed(suite: str, split: str, index: int, attempt: int = 0) -> int:
+    """Reproducible randomness per (suite, split, index, attempt)."""
+    digest = hashlib.sha256(f"{suite}|{split}|{index}|{attempt}".encode()).digest()
     return int.from_bytes(digest[:8], "little")
+
+
+HELDOUT_SHARE = 5  # one content hash in five belongs to the held-out split
+
+
+def content_split(*parts: str) -> str:
+    """The split a task's *content* belongs to. Generators redraw until it matches the split asked for, so a
+    held-out prompt can never also be drawn for training, however many training tasks are generated."""
+    digest = hashlib.sha256("\x00".join(parts).encode()).digest()
+    return "heldout" if digest[0] % HELDOUT_SHARE == 0 else "train"
+
+
+def draw(suite: str, split: str, index: int, build):
+    """Calls ``build(rng)`` with fresh seeds until the result's content belongs to ``split``.
+    ``build`` returns ``(content_key, value)``; returns ``value``."""
+    import random
+
+    check_split(split)
+    for attempt in range(10_000):
+        key, value = build(random.Random(split_seed(suite, split, index, attempt)))
+        if content_split(key) == split:
+            return value
+    raise TaskError(f"{suite}: could not draw a {split} task for index {index}")

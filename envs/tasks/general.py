@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from envs.tasks.base import Task, check_split, split_seed
+from envs.tasks.base import Task, draw
 
 DIFFICULTIES = (0, 1, 2, 3, 4)  # operands: 2 + difficulty; larger operands from difficulty 2 on
 NAMES = ["Ann", "Ben", "Chloe", "Dev", "Eva", "Finn", "Gus", "Hana", "Ivo", "Jade", "Kai", "Lena", "Milo", "Nia"]
@@ -95,10 +95,12 @@ def reasoning(problem: Problem, effort: str, slip: int = 0, rng: random.Random |
 
 
 def task(split: str, index: int, difficulty: int | None = None) -> Task:
-    check_split(split)
-    rng = random.Random(split_seed("general", split, index))
-    difficulty = rng.choice(DIFFICULTIES) if difficulty is None else difficulty
-    p = make_problem(rng, difficulty)
+    def build(rng):
+        d = rng.choice(DIFFICULTIES) if difficulty is None else difficulty
+        p = make_problem(rng, d)
+        return p.prompt(), (p, d)
+
+    p, difficulty = draw("general", split, index, build)
     return Task(
         task_id=f"general/{split}/{index}",
         domain="general",

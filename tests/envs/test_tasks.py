@@ -1,0 +1,107 @@
+"""Task suites: deterministic, disjoint splits, and reference solutions that really solve their tasks."""
+
+import json
+import subprocess
+
+import pytest
+
+from envs.tasks import SUITES, TaskError, agentic, coding, general, get_tasks
+from envs.tasks.loaders import EXAMPLES, FORMATS, load
+
+
+@pytest.mark.parametrize("domain", sorted(SUITES))
+def test_suites_are_deterministic_and_splits_disjoint(domain):
+    a = get_tasks(domain, "train", 50)
+    assert [t.fingerprint() for t in a] == [t.fingerprint() for t in get_tasks(domain, "train", 50)]
+    train = {(t.prompt, json.dumps(t.files, sort_keys=True)) for t in get_tasks(domain, "train", 400)}
+    held = [(t.prompt, json.dumps(t.files, sort_keys=True)) for t in get_tasks(domain, "heldout", 100)]
+    assert sum(h in train for h in held) == 0  # the split is a function of the content
+    assert len({t.task_id for t in a}) == 50
+
+
+def test_general_reasoning_reaches_the_answer_and_slips_change_it():
+    for t in get_tasks("general", "heldout", 200):
+        p = general.problem_of(t)
+        assert int(t.grading["answer"]) == p.answer
+        for effort in ("low", "medium", "high"):
+            text, ans = general.reasoning(p, effort)
+            assert ans == p.answer
+            assert (text == "") == (effort == "low")
+        assert general.reasoning(p, "high", slip=2)[1] == p.answer + 2
+    lengths = {e: sum(len(general.reasoning(general.problem_of(t), e)[0]) for t in get_tasks("general", "train", 100))
+               for e in ("low", "medium", "high")}
+    assert lengths["low"] < lengths["medium"] < lengths["high"]
+
+
+def run_solution(task, tmp_path):
+    """Execute the reference tool calls for real (bash in a scratch directory) and return the outputs."""
+    for path, text in task.files.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+    outputs = []
+    for step in agentic.solution(task) if task.domain == "agentic" else coding.solution(task, check=True):
+        if step.tool == "shell":
+            r = subprocess.run(["bash", "-c", step.args["cmd"]], cwd=tmp_path, capture_output=True, text=True,
+                               timeout=10)
+            outputs.append(r.stdout + r.stderr)
+        elif step.tool == "write_file":
+            (tmp_path / step.args["path"]).write_text(step.args["content"])
+            outputs.append("")
+        else:
+            outputs.append(step.args["answer"])
+    return outputs
+
+
+@pytest.mark.parametrize("kind", agentic.KINDS)
+def test_agentic_reference_solutions_work_in_a_real_shell(kind, tmp_path):
+    for i in range(4):
+        t = agentic.task("heldout", i, kind=kind)
+        case = tmp_path / f"{kind}{i}"
+        case.mkdir()
+        outputs = run_solution(t, case)
+        assert outputs[-1] == t.grading["answer"]
+        assert len([s for s in agentic.solution(t) if s.tool]) >= 2  # needs at least two tool calls
+        evidence = outputs[-2]
+        assert t.grading["answer"] in evidence, (kind, outputs)  # the tools really reveal the answer
+        if kind == "fix":
+            assert outputs[0].startswith("error: mode must be")
+
+
+def test_coding_reference_solutions_pass_every_case(tmp_path):
+    for i, t in enumerate(get_tasks("coding", "heldout", 60)):
+        case = tmp_path / str(i)
+        case.mkdir()
+        outputs = run_solution(t, case)
+        namespace = {}
+        exec((case / "solution.py").read_text(), namespace)
+        for c in t.grading["visible"] + t.grading["hidden"]:
+            assert namespace[c["call"]](*c["args"]) == c["expected"]
+        assert outputs[1].strip() == str(t.grading["visible"][0]["expected"])  # the check step prints the example
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_public_format_examples_load(fmt):
+    tasks = load(EXAMPLES / f"{fmt}.jsonl", fmt)
+    assert tasks and all(t.task_id.startswith(fmt) for t in tasks)
+    if fmt == "gsm8k":
+        assert [t.grading["answer"] for t in tasks] == ["72", "10"]
+    if fmt in ("mbpp", "humaneval"):
+        assert all(t.grading["hidden"] and t.grader == "code" for t in tasks)
+    if fmt == "swe":
+        assert tasks[0].grading["restore"] == {"test_calc.py": tasks[0].files["test_calc.py"]}
+
+
+def test_loader_errors_name_the_problem(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "2+2?", "answer": "4"}) + "\n")
+    with pytest.raises(TaskError, match=r"answer must end with '#### <final answer>'"):
+        load(bad, "gsm8k")
+    bad.write_text(json.dumps({"text": "f", "test_list": ["assert f(x) == 1"]}) + "\n")
+    with pytest.raises(TaskError, match=r"non-literal arguments"):
+        load(bad, "mbpp")
+    with pytest.raises(TaskError, match=r"unknown task format 'csv'"):
+        load(bad, "csv")
+    with pytest.raises(TaskError, match=r"unknown domain 'math'"):
+        get_tasks("math", "train", 1)
+    with pytest.raises(TaskError, match=r"split must be one of \['train', 'heldout'\]"):
+        get_tasks("general", "test", 1)
