@@ -1,0 +1,1 @@
+"""RL math: advantages, the policy loss with per-token off-policy correction, effort budgets, MOPD rewards."""

@@ -1,0 +1,113 @@
+"""The policy loss: per-token importance correction (truncated and masked), clipping, aggregation."""
+
+import math
+
+import pytest
+import torch
+
+from rlk3.algo.loss import LossConfig, importance_weights, policy_loss, token_logprobs
+
+
+def batch(B=3, T=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(B, T, generator=g) * 3
+    mask = torch.ones(B, T)
+    mask[:, :2] = 0  # prompt tokens
+    return logp, mask
+
+
+def test_on_policy_gradient_is_the_policy_gradient():
+    """Fresh tokens (behaviour = current) and r = 1: d loss / d logp = -A / N on every generated token."""
+    logp, mask = batch()
+    logp.requires_grad_(True)
+    adv = torch.tensor([1.0, -2.0, 0.5])
+    loss, m = policy_loss(logp, logp.detach(), adv, mask, LossConfig())
+    loss.backward()
+    n = mask.sum()
+    assert torch.allclose(logp.grad, -(adv[:, None] * mask) / n)
+    assert m["stale_frac"] == 0.0 and m["is_weight_mean"] == pytest.approx(1.0)
+
+
+def test_stale_tokens_are_reweighted_per_token():
+    logp, mask = batch()
+    behaviour = logp.detach().clone()
+    behaviour[0, 3] -= math.log(1.5)  # sampled when this token was less likely: w = 1.5
+    behaviour[1, 4] += math.log(4.0)  # w = 0.25
+    w, keep = importance_weights(logp, behaviour, mask, LossConfig(is_mode="truncate", is_cap=2.0))
+    assert w[0, 3] == pytest.approx(1.5) and w[1, 4] == pytest.approx(0.25)
+    assert w[0, 2] == pytest.approx(1.0) and keep.equal(mask.bool())
+    behaviour[2, 5] -= math.log(10.0)  # w = 10 -> truncated to the cap
+    w, _ = importance_weights(logp, behaviour, mask, LossConfig(is_mode="truncate", is_cap=2.0))
+    assert w[2, 5] == pytest.approx(2.0)
+    # the gradient of a reweighted token scales by w
+    lp = logp.clone().requires_grad_(True)
+    policy_loss(lp, behaviour, torch.ones(3), mask, LossConfig(is_cap=2.0))[0].backward()
+    assert lp.grad[0, 3] / lp.grad[0, 2] == pytest.approx(1.5)
+    assert lp.grad[2, 5] / lp.grad[2, 4] == pytest.approx(2.0)
+
+
+def test_masked_is_drops_tokens_outside_the_band_and_all_masked_sequences_give_zero():
+    logp, mask = batch()
+    behaviour = logp.detach().clone()
+    behaviour[0, 2:] -= math.log(5.0)  # every generated token of sequence 0 is far off-policy
+    cfg = LossConfig(is_mode="mask", is_low=0.5, is_high=2.0, aggregation="seq-mean-token-mean")
+    lp = logp.clone().requires_grad_(True)
+    loss, m = policy_loss(lp, behaviour, torch.tensor([1.0, 1.0, 1.0]), mask, cfg)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert torch.equal(lp.grad[0], torch.zeros(6))  # contributes nothing, and no NaN
+    assert (lp.grad[1:, 2:] != 0).all()
+    assert m["is_masked_frac"] == pytest.approx(4 / 12)
+    # every token masked: loss 0, gradient 0
+    lp2 = logp.clone().requires_grad_(True)
+    loss2, _ = policy_loss(lp2, logp.detach() - 5.0, torch.ones(3), mask, cfg)
+    loss2.backward()
+    assert loss2.item() == 0.0 and torch.equal(lp2.grad, torch.zeros_like(lp2))
+
+
+def test_ppo_clip_stops_the_gradient_outside_the_trust_region():
+    logp, mask = batch()
+    old = logp.detach() - 0.5  # ratio e^0.5 ≈ 1.65 > 1 + clip_high
+    lp = logp.clone().requires_grad_(True)
+    loss, m = policy_loss(lp, old, torch.ones(3), mask, LossConfig(), old_logp=old)
+    loss.backward()
+    assert m["clip_frac"] == 1.0
+    assert torch.equal(lp.grad, torch.zeros_like(lp))  # positive advantage, ratio above the clip: no push
+    lp.grad = None
+    policy_loss(lp, old, -torch.ones(3), mask, LossConfig(), old_logp=old)[0].backward()
+    assert (lp.grad[mask.bool()] > 0).all()  # negative advantage is not clipped from this side
+
+
+def test_aggregations_differ_as_defined():
+    logp = torch.zeros(2, 4)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0]])
+    adv = torch.tensor([1.0, 3.0])
+    token_mean = policy_loss(logp, logp, adv, mask, LossConfig(aggregation="token-mean"))[0]
+    seq_mean = policy_loss(logp, logp, adv, mask, LossConfig(aggregation="seq-mean-token-mean"))[0]
+    seq_sum = policy_loss(logp, logp, adv, mask, LossConfig(aggregation="seq-mean-token-sum"))[0]
+    assert token_mean.item() == pytest.approx(-(4 * 1 + 3) / 5)
+    assert seq_mean.item() == pytest.approx(-(1 + 3) / 2)
+    assert seq_sum.item() == pytest.approx(-(4 + 3) / 2)
+
+
+def test_kl_and_entropy_metrics_and_token_logprobs():
+    logits = torch.randn(2, 5, 11)
+    tokens = torch.randint(0, 11, (2, 5))
+    lp, ent = token_logprobs(logits, tokens, temperature=0.7)
+    ref = torch.log_softmax(logits / 0.7, -1).gather(-1, tokens[..., None])[..., 0]
+    assert torch.allclose(lp, ref)
+    assert (ent > 0).all()
+    mask = torch.ones(2, 5)
+    _, m = policy_loss(lp, lp.detach(), torch.ones(2), mask, LossConfig(kl_coef=0.1), ref_logp=lp.detach() - 0.1,
+                       entropy=ent)
+    assert m["kl_ref"] == pytest.approx(math.exp(-0.1) + 0.1 - 1, rel=1e-5)
+    assert m["entropy"] == pytest.approx(float(ent.mean()), rel=1e-5)
+
+
+def test_config_validation_names_the_key():
+    with pytest.raises(ValueError, match=r"loss.is_mode must be one of \['truncate', 'mask', 'none'\]"):
+        LossConfig(is_mode="clip")
+    with pytest.raises(ValueError, match=r"is_low <= 1 <= is_high"):
+        LossConfig(is_low=1.5)
+    with pytest.raises(ValueError, match=r"must have one shape"):
+        policy_loss(torch.zeros(2, 3), torch.zeros(2, 4), torch.zeros(2), torch.ones(2, 3), LossConfig())
