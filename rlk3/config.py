@@ -1,0 +1,298 @@
+"""rlk3's configuration: omegaconf structured configs, composed and validated before anything is allocated.
+
+A run config is a YAML file whose ``defaults`` list names fragments under ``configs/`` (``base``, ``model/…``,
+``domain/…``, ``effort/…``, ``stage/…``), merged in order, then the file's own keys, then ``key=value``
+overrides from the command line. The schema below is the whole vocabulary: an unknown key anywhere is an
+error naming it and the valid keys at that level; every value is range-checked with a message naming the key,
+the bad value and what would be valid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+STAGES = ("sft", "rl", "mopd", "eval")
+DOMAINS = ("general", "agentic", "coding")
+EFFORTS = ("low", "medium", "high")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the key, the value and what is valid."""
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "k3-tiny"  # a K3Config preset
+    overrides: dict[str, Any] = field(default_factory=dict)  # K3Config keys on top of the preset
+    init_from: str | None = None  # a checkpoint directory (HF format) to start from
+    dtype: str = "float32"  # float32 | bfloat16
+
+
+@dataclass
+class TasksConfig:
+    domains: list[str] = field(default_factory=lambda: ["general"])
+    weights: list[float] = field(default_factory=list)  # sampling weight per domain (empty: equal)
+    train_size: int = 4096  # distinct training tasks per domain (synthetic suites are unbounded)
+    heldout_size: int = 64  # held-out tasks per domain for evaluation
+    files: dict[str, str] = field(default_factory=dict)  # domain -> local JSONL/parquet (public formats)
+    file_format: str = "gsm8k"
+
+
+@dataclass
+class EffortConfig:
+    level: str = "high"  # stated in the system prompt
+    budget: int = 256  # generated-token budget once annealed; over it the reward is -1
+    budget_start: int = 0  # 0: no annealing (start at `budget`); else anneal from here down to `budget`
+    anneal_steps: int = 0
+    schedule: str = "linear"  # linear | step | constant
+
+
+@dataclass
+class HarnessConfig:
+    presets: dict[str, float] = field(default_factory=lambda: {"hermes": 1.0})  # preset -> weight
+    max_turns: int = 6
+    compact_at_tokens: int = 0  # 0: no compaction
+
+
+@dataclass
+class SFTConfig:
+    demos_per_domain: int = 2000
+    epochs: float = 1.0
+    lr: float = 3e-3
+    batch_size: int = 16
+    max_length: int = 384
+    warmup_ratio: float = 0.05
+    demo_error_rate: float = 0.15  # demonstrations are imperfect on purpose: RL needs headroom
+
+
+@dataclass
+class RolloutConfig:
+    groups_per_iteration: int = 8  # prompts per iteration
+    group_size: int = 4  # samples per prompt
+    lam: float = 1.0  # fraction of trajectories that must finish before the rest are paused (λ)
+    max_staleness: int = 4  # policy versions a carried-over trajectory may lag before it is restarted
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 256  # per assistant turn
+    max_total_tokens: int = 2048
+
+
+@dataclass
+class TrainConfig:
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    estimator: str = "grpo"  # grpo | rloo | reinforce
+    scale_advantages: bool = True
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    is_mode: str = "truncate"  # truncate | mask | none
+    is_cap: float = 2.0
+    is_low: float = 0.5
+    is_high: float = 2.0
+    kl_coef: float = 0.0
+    aggregation: str = "token-mean"
+    micro_batch_tokens: int = 4096
+    qb_update: bool = True  # Quantile Balancing bias update after each step
+    qb_bins: int = 1000
+    dead_signal_patience: int = 5  # warn, then stop after this many steps without a learning signal
+
+
+@dataclass
+class MOPDConfig:
+    teachers: dict[str, str] = field(default_factory=dict)  # "domain/effort" -> checkpoint dir
+    clip: float = 5.0
+    alpha: float = 0.0  # weight of the outcome reward next to the distillation reward
+
+
+@dataclass
+class ClusterConfig:
+    ray_address: str | None = None  # None: a local head (ray.init())
+    colocate: bool = True  # rollout and training share the bundle, alternating phases
+    num_gpus: int = 0
+    sandbox_url: str | None = None  # None: start the local sandbox server; else an E2B-compatible URL
+    sandbox_api_key: str | None = None
+
+
+@dataclass
+class RunConfig:
+    stage: str = MISSING  # sft | rl | mopd | eval
+    name: str = "run"
+    output_dir: str = "runs/${run.name}"
+    seed: int = 0
+    iterations: int = 40
+    eval_every: int = 10
+    checkpoint_every: int = 10
+    resume: bool = True  # continue from the latest checkpoint in output_dir when there is one
+    log_tensorboard: bool = True
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tasks: TasksConfig = field(default_factory=TasksConfig)
+    effort: EffortConfig = field(default_factory=EffortConfig)
+    harness: HarnessConfig = field(default_factory=HarnessConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    mopd: MOPDConfig = field(default_factory=MOPDConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+FREE_FORM = ("model.overrides", "tasks.files", "harness.presets", "mopd.teachers")
+
+
+def _fragment(name: str) -> DictConfig:
+    path = CONFIG_DIR / f"{name}.yaml"
+    if not path.is_file():
+        options = sorted(str(p.relative_to(CONFIG_DIR).with_suffix("")) for p in CONFIG_DIR.rglob("*.yaml"))
+        raise ConfigError(f"defaults: no config fragment {name!r} (looked for {path}); available: {options}")
+    return OmegaConf.load(path)
+
+
+def _merge(base: DictConfig, extra: DictConfig | dict, where: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(base, extra)
+    except (ConfigKeyError, ConfigAttributeError) as e:
+        key = e.full_key or getattr(e, "key", "?")
+        parent = ".".join(str(key).split(".")[:-1])
+        node = OmegaConf.select(base, parent) if parent else base
+        valid = sorted(node.keys()) if isinstance(node, DictConfig) else []
+        raise ConfigError(f"{where}: unknown key {key!r}; valid keys here: {valid}") from None
+    except ValidationError as e:
+        raise ConfigError(f"{where}: {e.full_key}: {e.msg.splitlines()[0]}") from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Compose ``path`` (its ``defaults`` first) and ``key=value`` overrides onto the schema, then validate.
+    Returns a typed ``Config`` (a read-only omegaconf view with attribute access)."""
+    cfg = OmegaConf.structured(Config)
+    OmegaConf.set_struct(cfg, True)
+    for key in FREE_FORM:  # user-named entries (teachers, preset weights, ...): any key is fine there
+        OmegaConf.set_struct(OmegaConf.select(cfg, key), False)
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        user = OmegaConf.load(path)
+        defaults = list(user.pop("defaults", []) or [])
+        for name in defaults:
+            cfg = _merge(cfg, _fragment(str(name)), f"configs/{name}.yaml")
+        cfg = _merge(cfg, user, str(path))
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key=value (e.g. rollout.lam=0.7)")
+        cfg = _merge(cfg, OmegaConf.from_dotlist([item]), f"override {item!r}")
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(f"missing required keys {missing} (set them in the config file or as key=value)")
+    OmegaConf.resolve(cfg)
+    validate(cfg)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg  # type: ignore[return-value]
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(cfg)
+
+
+# ---------------------------------------------------------------------------------------------- validation
+
+
+def _in(key: str, value, valid) -> None:
+    if value not in valid:
+        raise ConfigError(f"{key} must be one of {list(valid)}, got {value!r}")
+
+
+def _range(key: str, value, lo=None, hi=None, lo_open=False) -> None:
+    bad = (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and value > hi)
+    if bad:
+        lo_s = "-inf" if lo is None else f"{lo}"
+        hi_s = "inf" if hi is None else f"{hi}"
+        raise ConfigError(f"{key} must be in {'(' if lo_open else '['}{lo_s}, {hi_s}], got {value!r}")
+
+
+def validate(cfg: Config) -> None:
+    """Every cross-field and range rule, before anything is allocated."""
+    from rlk3.algo.advantages import ESTIMATORS
+    from rlk3.algo.effort import KINDS
+    from rlk3.algo.loss import AGGREGATIONS, IS_MODES
+    from rlk3.model.configuration_k3 import PRESETS
+
+    _in("run.stage", cfg.run.stage, STAGES)
+    _range("run.iterations", cfg.run.iterations, 0)
+    _range("run.eval_every", cfg.run.eval_every, 1)
+    _range("run.checkpoint_every", cfg.run.checkpoint_every, 1)
+    _in("model.preset", cfg.model.preset, sorted(PRESETS))
+    _in("model.dtype", cfg.model.dtype, ("float32", "bfloat16"))
+    if cfg.model.init_from is not None and not Path(cfg.model.init_from).is_dir():
+        raise ConfigError(f"model.init_from: checkpoint directory {cfg.model.init_from!r} does not exist")
+    if not cfg.tasks.domains:
+        raise ConfigError(f"tasks.domains must name at least one of {list(DOMAINS)}")
+    for i, d in enumerate(cfg.tasks.domains):
+        _in(f"tasks.domains[{i}]", d, DOMAINS)
+    if cfg.tasks.weights and len(cfg.tasks.weights) != len(cfg.tasks.domains):
+        raise ConfigError(
+            f"tasks.weights has {len(cfg.tasks.weights)} entries for {len(cfg.tasks.domains)} domains; give one each"
+        )
+    if any(w < 0 for w in cfg.tasks.weights) or (cfg.tasks.weights and sum(cfg.tasks.weights) <= 0):
+        raise ConfigError(f"tasks.weights must be >= 0 with a positive sum, got {list(cfg.tasks.weights)}")
+    _range("tasks.train_size", cfg.tasks.train_size, 1)
+    _range("tasks.heldout_size", cfg.tasks.heldout_size, 0)
+    _in("effort.level", cfg.effort.level, EFFORTS)
+    _range("effort.budget", cfg.effort.budget, 1)
+    if cfg.effort.budget_start and cfg.effort.budget_start < cfg.effort.budget:
+        raise ConfigError(
+            f"effort.budget_start ({cfg.effort.budget_start}) must be 0 or >= effort.budget ({cfg.effort.budget}): "
+            "the budget anneals downward"
+        )
+    _in("effort.schedule", cfg.effort.schedule, KINDS)
+    if not cfg.harness.presets or any(w < 0 for w in cfg.harness.presets.values()):
+        raise ConfigError(f"harness.presets must map preset names to weights >= 0, got {dict(cfg.harness.presets)}")
+    _range("harness.max_turns", cfg.harness.max_turns, 1)
+    _range("sft.lr", cfg.sft.lr, 0, lo_open=True)
+    _range("sft.batch_size", cfg.sft.batch_size, 1)
+    _range("sft.demo_error_rate", cfg.sft.demo_error_rate, 0, 1)
+    r = cfg.rollout
+    _range("rollout.lam", r.lam, 0, 1, lo_open=True)
+    _range("rollout.group_size", r.group_size, 1)
+    _range("rollout.groups_per_iteration", r.groups_per_iteration, 1)
+    _range("rollout.max_staleness", r.max_staleness, 0)
+    _range("rollout.temperature", r.temperature, 0, lo_open=True)
+    _range("rollout.top_p", r.top_p, 0, 1, lo_open=True)
+    _range("rollout.max_new_tokens", r.max_new_tokens, 1)
+    if r.max_total_tokens < r.max_new_tokens:
+        raise ConfigError(
+            f"rollout.max_total_tokens ({r.max_total_tokens}) must be >= max_new_tokens ({r.max_new_tokens})"
+        )
+    t = cfg.train
+    _range("train.lr", t.lr, 0, lo_open=True)
+    _in("train.estimator", t.estimator, ESTIMATORS)
+    _in("train.is_mode", t.is_mode, IS_MODES)
+    _in("train.aggregation", t.aggregation, AGGREGATIONS)
+    _range("train.clip_low", t.clip_low, 0, 1)
+    _range("train.is_cap", t.is_cap, 1)
+    if not 0 < t.is_low <= 1 <= t.is_high:
+        raise ConfigError(f"train.is_low/is_high must satisfy 0 < is_low <= 1 <= is_high, got {t.is_low}, {t.is_high}")
+    _range("train.kl_coef", t.kl_coef, 0)
+    _range("train.dead_signal_patience", t.dead_signal_patience, 1)
+    if cfg.run.stage == "mopd":
+        if not cfg.mopd.teachers:
+            raise ConfigError("mopd.teachers is empty: map each 'domain/effort' the student trains on to a checkpoint")
+        for key in cfg.mopd.teachers:
+            domain, _, effort = key.partition("/")
+            if domain not in DOMAINS or effort not in EFFORTS:
+                raise ConfigError(f"mopd.teachers key {key!r} must be 'domain/effort' with domain in {list(DOMAINS)} "
+                                  f"and effort in {list(EFFORTS)}")
+        _range("mopd.clip", cfg.mopd.clip, 0, lo_open=True)

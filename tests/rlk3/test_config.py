@@ -1,0 +1,55 @@
+"""Config composition and validation: unknown keys and bad values fail before anything is allocated."""
+
+import pytest
+
+from rlk3.config import ConfigError, load_config
+
+
+def write(tmp_path, text):
+    p = tmp_path / "run.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_composes_defaults_file_and_overrides(tmp_path):
+    p = write(tmp_path, "defaults: [base, model/k3-tiny, domain/agentic, effort/medium, stage/rl]\n"
+                        "rollout:\n  lam: 0.7\n")
+    cfg = load_config(p, ["train.lr=5e-5", "run.name=x"])
+    assert cfg.run.stage == "rl" and cfg.tasks.domains == ["agentic"]
+    assert cfg.effort.level == "medium" and cfg.effort.budget_start == 384
+    assert cfg.rollout.lam == 0.7 and cfg.train.lr == 5e-5
+    assert cfg.run.output_dir == "runs/x"  # interpolation resolved after overrides
+    with pytest.raises(Exception, match="read-only"):
+        cfg.train.lr = 1.0
+
+
+@pytest.mark.parametrize(
+    ("text", "overrides", "match"),
+    [
+        ("defaults: [stage/rl]\nrollout:\n  lamda: 0.5\n", [], r"unknown key 'rollout.lamda'; valid keys.*'lam'"),
+        ("defaults: [stage/rl]\n", ["train.lrr=1"], r"unknown key 'train.lrr'"),
+        ("defaults: [stage/rl]\n", ["rollout.lam=1.5"], r"rollout.lam must be in \(0, 1\], got 1.5"),
+        ("defaults: [stage/rl]\n", ["rollout.lam=0"], r"rollout.lam must be in \(0, 1\], got 0"),
+        ("defaults: [stage/rl]\n", ["train.estimator=ppo"], r"train.estimator must be one of \['grpo', 'rloo'"),
+        ("defaults: [stage/rl]\n", ["tasks.domains=[math]"], r"tasks.domains\[0\] must be one of \['general'"),
+        ("defaults: [stage/rl]\n", ["model.preset=k3-huge"], r"model.preset must be one of \['k3-full', 'k3-small'"),
+        ("defaults: [stage/rl]\n", ["rollout.group_size=abc"], r"rollout.group_size"),
+        ("defaults: [stage/rl, effort/low]\n", ["effort.budget_start=50"], r"must be 0 or >= effort.budget \(96\)"),
+        ("defaults: [stage/rl]\n", ["model.init_from=/nonexistent"], r"checkpoint directory '/nonexistent' does not"),
+        ("defaults: [stage/mopd]\n", [], r"mopd.teachers is empty"),
+        ("defaults: [stage/mopd]\n", ["mopd.teachers={math/high: x}"], r"mopd.teachers key 'math/high'"),
+        ("defaults: [stage/nope]\n", [], r"no config fragment 'stage/nope'.*available: .*stage/rl"),
+        ("rollout:\n  lam: 0.5\n", [], r"missing required keys \['run.stage'\]"),
+        ("defaults: [stage/rl]\n", ["rollout.lam"], r"must look like key=value"),
+    ],
+)
+def test_bad_configs_name_the_key_and_valid_values(tmp_path, text, overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(write(tmp_path, text), overrides)
+
+
+def test_every_fragment_loads(tmp_path):
+    for frag in ("model/k3-tiny", "model/k3-small", "domain/general", "domain/agentic", "domain/coding",
+                 "effort/low", "effort/medium", "effort/high", "stage/sft", "stage/rl", "stage/eval"):
+        cfg = load_config(write(tmp_path, f"defaults: [base, stage/rl, {frag}]\n"))
+        assert cfg.run.stage in ("sft", "rl", "eval")
