@@ -28,7 +28,7 @@ system:
 
 test: setup system
 	$(PY) -m ruff check .
-	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not gpu" --durations=25 $(PYTEST_ARGS)
 
 test-fast: setup system
 	$(PY) -m pytest -m "not gpu and not slow" $(PYTEST_ARGS)

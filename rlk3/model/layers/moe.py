@@ -70,8 +70,11 @@ class K3Experts(nn.Module):
         token_of = order // k
         if self._grouped_ok(x):
             return self._grouped(x, order, token_of, flat, weights)
+        if self._dense_ok(x):
+            return self._dense(x, idx, weights)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        out = torch.zeros(N, x.shape[-1], dtype=torch.float32, device=x.device)
+        acc = torch.promote_types(x.dtype, torch.float32)  # accumulate in fp32 at least (fp64 in fp64 tests)
+        out = torch.zeros(N, x.shape[-1], dtype=acc, device=x.device)
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
@@ -81,8 +84,24 @@ class K3Experts(nn.Module):
             start += n
             gate, up = F.linear(x[tokens], self.gate_up_proj[e]).chunk(2, dim=-1)
             y = F.linear(self.act(gate, up), self.down_proj[e])
-            out.index_add_(0, tokens, y.float() * weights.flatten()[rows, None])
+            out.index_add_(0, tokens, y.to(acc) * weights.flatten()[rows, None].to(acc))
         return out.to(x.dtype)
+
+    # On a CPU with few, small experts, one batched matmul over *all* experts beats a Python loop of tiny ones:
+    # per-op overhead dominates there. Unselected experts get routing weight 0 (so no output and no gradient).
+    DENSE_MAX_EXPERTS = 32
+
+    def _dense_ok(self, x: torch.Tensor) -> bool:
+        return not x.is_cuda and self.num_experts <= self.DENSE_MAX_EXPERTS
+
+    def _dense(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        N = x.shape[0]
+        acc = torch.promote_types(x.dtype, torch.float32)
+        dense_w = torch.zeros(N, self.num_experts, dtype=acc, device=x.device)
+        dense_w.scatter_add_(1, idx, weights.to(acc))
+        gate, up = torch.einsum("nd,eid->eni", x, self.gate_up_proj.to(x.dtype)).chunk(2, dim=-1)
+        y = torch.einsum("eni,edi->end", self.act(gate, up), self.down_proj.to(x.dtype))  # [E, N, D]
+        return torch.einsum("end,ne->nd", y.to(acc), dense_w).to(x.dtype)
 
     def _grouped_ok(self, x: torch.Tensor) -> bool:
         """One grouped GEMM per projection instead of a Python loop over experts: bf16 on CUDA (Hopper's grouped

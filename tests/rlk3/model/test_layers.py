@@ -97,6 +97,24 @@ def test_model_with_attn_res_off_is_a_plain_residual_model():
     assert model(x, use_cache=False).logits.shape == (1, 12, cfg.vocab_size)
 
 
+def test_dense_expert_path_equals_the_per_expert_loop(monkeypatch):
+    from rlk3.model.layers.moe import K3Experts
+
+    cfg = K3Config()
+    experts = K3Experts(cfg.num_experts, 64, cfg.moe_intermediate_size, cfg)
+    torch.nn.init.normal_(experts.gate_up_proj, std=0.2)
+    torch.nn.init.normal_(experts.down_proj, std=0.2)
+    x = torch.randn(50, 64, dtype=torch.float64)
+    experts.double()
+    idx = torch.stack([torch.randperm(cfg.num_experts)[:4] for _ in range(50)])
+    w = torch.rand(50, 4, dtype=torch.float64)
+    assert experts._dense_ok(x)
+    dense = experts(x, idx, w)
+    monkeypatch.setattr(K3Experts, "DENSE_MAX_EXPERTS", 0)
+    assert not experts._dense_ok(x)
+    assert rel_err(dense, experts(x, idx, w)) <= 1e-12
+
+
 def test_router_selects_with_bias_but_weights_from_scores():
     cfg = K3Config()
     router = K3Router(cfg)

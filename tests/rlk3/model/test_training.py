@@ -5,7 +5,7 @@ import torch
 from rlk3.model import K3Config, K3ForCausalLM
 
 
-def arithmetic_batch(generator, batch=8, length=32, modulus=64, offset=10):
+def arithmetic_batch(generator, batch=4, length=32, modulus=64, offset=10):
     """Sequences ``(a + s·t) mod M``: each next token follows from the previous two, which the short convs and
     the KDA state must learn to read."""
     a = torch.randint(0, modulus, (batch, 1), generator=generator)
