@@ -11,7 +11,7 @@ first, the least of these steps that brings it under:
 1. stub old units (all but the last ``keep_last_turns``): each tool output becomes a short note with its first
    ``stub_chars`` characters (0 drops it to the note alone), long call arguments and reasoning are cut;
 2. drop old units whole, leaving one marker message saying how many messages were removed;
-3. the same for the recent units except the very last one, then stub the last one;
+3. the same for the recent units except the very last one, then stub the last one, then drop it;
 4. cut every message's text to a common length (system prompt last).
 
 Steps 1-3 are one ordered list of actions, and the number of actions applied is found by binary search on the
@@ -153,8 +153,8 @@ class Compaction:
         old = list(range(max(0, m - self.keep_last_turns)))
         recent = list(range(len(old), max(len(old), m - 1)))
         actions = [(i, 1) for i in old] + [(i, 2) for i in old] + [(i, 1) for i in recent] + [(i, 2) for i in recent]
-        if m:
-            actions.append((m - 1, 1))
+        if m:  # the last unit goes last: stubbed, and dropped only when nothing else is left to remove
+            actions += [(m - 1, 1), (m - 1, 2)]
         stubbed = [stub_unit(u, self.stub_chars) for u in units]
         # how many original messages dropping a unit removes: an earlier compaction's marker stands for its count
         removed = [_marker_count(u[0]) if _is_marker(u[0]) else len(u) for u in units]

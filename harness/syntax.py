@@ -69,6 +69,8 @@ def _json_at(text: str, pos: int, what: str) -> tuple[Any, int]:
     try:
         return _DECODER.raw_decode(text, pos)
     except json.JSONDecodeError as e:
+        if e.pos >= len(text):
+            raise ParseError(f"{what}: the output ends inside the JSON (was it cut off?)") from None
         raise ParseError(f"{what}: invalid JSON at {_snippet(text, e.pos, 20)}: {e.msg}") from None
     except (ValueError, RecursionError) as e:  # nesting too deep, or a number too large to convert
         raise ParseError(f"{what}: invalid JSON: {type(e).__name__}") from None
