@@ -350,7 +350,10 @@ if len(out) > n:
 
 async def _py_helper(ctx: ToolContext, script: str, args: dict) -> ToolOutput:
     cmd = f"python3 -c {shlex.quote(script)} {shlex.quote(json.dumps(args))}"
-    return await _exec(ctx, cmd, ctx.timeout(None))
+    out = await _exec(ctx, cmd, ctx.timeout(None))
+    out.text = out.text.rstrip("\n")  # a listing, not program output: no trailing newline
+    out.is_error = out.is_error or out.text.startswith("Error:")
+    return out
 
 
 async def run_glob(a: dict, ctx: ToolContext) -> ToolOutput:
