@@ -52,6 +52,8 @@ from harness.tools import SandboxAPI, SubagentFn, Tool, ToolContext
 # A special token inside a tool result or other text the harness writes would be encoded as the real control
 # token (a file could then fake a turn boundary); a zero-width space after its first character keeps it text.
 _SPECIAL_RX = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
+_SPECIAL_SPLIT = re.compile("(" + "|".join(re.escape(t) for t in SPECIAL_TOKENS) + ")")
+_SPECIAL_SET = frozenset(SPECIAL_TOKENS)
 ZWSP = "\u200b"
 
 
@@ -131,6 +133,8 @@ class Harness:
             Compaction(c.threshold_tokens, c.keep_last_turns, c.stub_chars) if c.policy == "compact" else NoCompaction()
         )
         self.stop_token_ids = stop_token_ids(self.tokenizer)
+        self._seg_counts: dict[str, int] = {}
+        self._seg_chars = 0
         if c.policy == "compact":
             floor = self.count_tokens(self.start("x", effort="high", budget=10**9, group=None))
             if floor * 2 > c.threshold_tokens:
@@ -203,7 +207,27 @@ class Harness:
         return self.tokenizer.encode(self.render_text(messages, add_generation_prompt), add_special_tokens=False)
 
     def count_tokens(self, messages: list[dict]) -> int:
-        return len(self.render(messages))
+        """``len(self.render(messages))``, computed segment by segment with a cache.
+
+        Byte-level BPE never merges across a special token, so the count is the number of special tokens plus
+        the counts of the text between them. Compaction counts many variants of one conversation that share
+        most of their segments; caching per segment makes each further count cost only the changed text.
+        """
+        n = 0
+        for part in _SPECIAL_SPLIT.split(self.render_text(messages)):
+            if part in _SPECIAL_SET:
+                n += 1
+            elif part:
+                c = self._seg_counts.get(part)
+                if c is None:
+                    c = len(self.tokenizer.encode(part, add_special_tokens=False))
+                    if self._seg_chars > 20_000_000:  # bound the cache's memory: start over
+                        self._seg_counts.clear()
+                        self._seg_chars = 0
+                    self._seg_counts[part] = c
+                    self._seg_chars += len(part)
+                n += c
+        return n
 
     def continuation(self, messages: list[dict], start: int) -> list[int]:
         """Ids to append after ``messages[:start]`` (ending with a finished assistant turn) for the rest.

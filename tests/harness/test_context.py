@@ -84,6 +84,7 @@ def test_compaction_fits_the_threshold_and_never_splits_a_call_from_its_result(h
     out = policy.compact(msgs, h.count_tokens)
     assert json.dumps(msgs) == before  # the input is never modified
     n = h.count_tokens(out)
+    assert n == len(h.render(out)) and h.count_tokens(msgs) == len(h.render(msgs))  # the cached count is exact
     assert n <= threshold, f"{n} tokens after compaction, threshold {threshold}"
     assert_calls_paired(out)
     if h.count_tokens(msgs) <= threshold:

@@ -51,7 +51,8 @@ def test_concurrent_writers_lose_no_note(tmp_path):
     # threads in one process and separate processes, all adding to the same group's notes at once
     with ThreadPoolExecutor(4) as ex:
         list(ex.map(_add_many, [(tmp_path, w) for w in range(4)]))
-    with mp.get_context("spawn").Pool(2) as pool:
+    # fork: the workers need only the memory module, and re-importing the harness in each would be slow
+    with mp.get_context("fork").Pool(2) as pool:
         pool.map(_add_many, [(tmp_path, w) for w in range(4, 6)])
     lines = MemoryStore(tmp_path).notes("shared").read().splitlines()
     assert sorted(lines) == sorted(f"- w{w}-{i}" for w in range(6) for i in range(25))

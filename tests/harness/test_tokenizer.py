@@ -227,3 +227,11 @@ def test_builtin_corpus_is_deterministic_and_covers_the_markup():
     joined = "".join(a)
     for marker in ("<tool_call>", T.TOOL_CALLS_BEGIN, "<function_calls>", "<|channel|>", "def ", "Answer:"):
         assert marker in joined
+
+
+def test_trl_sees_generation_markers_and_trains_the_stop_token(tok):
+    # what TRL's SFTTrainer(assistant_only_loss=True) checks before it trusts a template's assistant mask
+    from trl.chat_template_utils import has_generation_markers, is_chat_template_stop_token_trained
+
+    assert has_generation_markers(tok.chat_template)
+    assert is_chat_template_stop_token_trained(tok)
