@@ -241,6 +241,14 @@ class Harness:
             raise RuntimeError("chat template is not prefix-stable: the continuation cannot be rendered")
         return self.tokenizer.encode(full[len(prefix) :], add_special_tokens=False)
 
+    def assistant_text(self, message: dict) -> str:
+        """The text a model would generate for assistant ``message`` in this preset's syntax, ``<|im_end|>``
+        included: what SFT demonstrations teach and what :meth:`parse` reads back."""
+        head = [{"role": "user", "content": ""}]
+        prefix = self.render_text(head, add_generation_prompt=True)
+        full = self.render_text([*head, message], add_generation_prompt=False)
+        return full[len(prefix) :]
+
     def assistant_mask(self, messages: list[dict]) -> tuple[list[int], list[int]]:
         """Ids and a 0/1 mask on the assistant tokens (SFT), rendered in this preset's syntax and tools."""
         return assistant_mask(self.tokenizer, messages, tools=self._schemas or None, **self.template_kwargs)
