@@ -14,6 +14,7 @@ from rewards.base import Grader, GraderConfigError
 
 BUILTIN: dict[str, str] = {
     "answer": "rewards.answer:AnswerGrader",
+    "code": "rewards.code.grader:CodeGrader",
     "effort": "rewards.effort:EffortGrader",
 }
 

@@ -275,10 +275,11 @@ class BwrapWorkspace:
         hp = _host_path(self.root, path)
         fd = os.open(hp, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
                 raise IsADirectoryError(f"{path!r} is not a regular file")
             with os.fdopen(fd, "rb", closefd=False) as f:
-                return f.read(max_bytes)
+                return f.read(min(max_bytes, st.st_size + 1))
         finally:
             os.close(fd)
 

@@ -1,0 +1,212 @@
+"""The code grader's test runner. It is copied, pristine, into the judging fork at grading time and run as
+`python3 -I -S runner.py` (no site, no user site, no environment: `sitecustomize`, `usercustomize` and
+`.pth` files are never processed). It reads its cases on stdin and never sees expected values: it only
+reports what the solution returned, as strictly typed JSON, and the grader compares outside the sandbox.
+
+Each case runs in a freshly forked child that has not imported the solution yet (so no state carries over
+between cases), in a random order, twice over (order dependence shows as a difference between passes),
+and each call is made twice in its process (call-count dependence). The child's stdout/stderr point at
+/dev/null and every other descriptor is closed, so the solution cannot write to the result stream; the
+runner is non-dumpable, so the solution (without capabilities) cannot open it through /proc either.
+The result stream ends with a count line; a killed or tampered runner leaves the stream short.
+"""
+
+import contextlib
+import ctypes
+import json
+import os
+import random
+import select
+import signal
+import sys
+import time
+
+STRICT_TYPES = (bool, int, float, str, type(None), list, tuple, dict, set, frozenset, bytes)
+MAX_RESULT = 1 << 20
+
+
+class UntrustedType(Exception):
+    pass
+
+
+def encode(v, depth=0):
+    """Exact-type tagged JSON: `True` is not `1`, a tuple is not a list, and an object of any other class
+    (one overriding `__eq__`, a str subclass) is refused rather than compared."""
+    if depth > 50:
+        raise UntrustedType("nesting deeper than 50")
+    t = type(v)
+    if t not in STRICT_TYPES:
+        raise UntrustedType(f"{t.__module__}.{t.__qualname__}")
+    if t is float:
+        return {"float": repr(v)}
+    if t is bytes:
+        return {"bytes": v.hex()}
+    if t in (list, tuple):
+        return {t.__name__: [encode(x, depth + 1) for x in v]}
+    if t in (set, frozenset):
+        items = [encode(x, depth + 1) for x in v]
+        return {t.__name__: sorted(items, key=lambda x: json.dumps(x, sort_keys=True))}
+    if t is dict:
+        items = [[encode(k, depth + 1), encode(x, depth + 1)] for k, x in v.items()]
+        return {"dict": sorted(items, key=lambda x: json.dumps(x[0], sort_keys=True))}
+    return {t.__name__: v}
+
+
+def _non_dumpable():
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4
+
+
+def _watch_list():
+    """Functions a solution has no business replacing; identity is checked after the calls."""
+    import builtins
+
+    main = sys.modules["__main__"]
+    return {
+        "time.time": (time, "time"),
+        "time.monotonic": (time, "monotonic"),
+        "time.perf_counter": (time, "perf_counter"),
+        "time.sleep": (time, "sleep"),
+        "sys.exit": (sys, "exit"),
+        "os._exit": (os, "_exit"),
+        "json.dumps": (json, "dumps"),
+        "builtins.isinstance": (builtins, "isinstance"),
+        "builtins.type": (builtins, "type"),
+        "runner.encode": (main, "encode"),
+        "runner.run_case": (main, "run_case"),
+    }
+
+
+def run_case(case, module_name, fd):
+    """Child side: import, call twice, encode, write one JSON line to `fd`, `_exit`."""
+    write, _exit, dumps = os.write, os._exit, json.dumps
+    encode_fn = encode
+
+    def send(obj):
+        data = dumps(obj).encode()
+        if len(data) > MAX_RESULT:
+            data = dumps({"status": "too_large", "bytes": len(data)}).encode()
+        write(fd, data + b"\n")
+        _exit(0)
+
+    watch = _watch_list()
+    before = {k: getattr(m, a) for k, (m, a) in watch.items()}
+    import copy
+    import importlib
+
+    try:
+        mod = importlib.import_module(module_name)
+    except BaseException as e:  # anything at import time is a collection error
+        kind = "skipped" if _is_skip(e) else "exit" if isinstance(e, SystemExit) else "collection_error"
+        send({"status": kind, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+    values = []
+    try:
+        for _ in range(2):
+            if case.get("script"):
+                ns = {"solution": mod, "args": copy.deepcopy(case.get("args", []))}
+                exec(case["script"], ns)  # grader-owned snippet, not model text
+                values.append(ns.get("result"))
+            else:
+                fn = getattr(mod, case["call"])
+                values.append(fn(*copy.deepcopy(case.get("args", []))))
+    except BaseException as e:
+        kind = "skipped" if _is_skip(e) else "exit" if isinstance(e, SystemExit) else "error"
+        send({"status": kind, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+    tampered = sorted(k for k, (m, a) in watch.items() if getattr(m, a, None) is not before[k])
+    try:
+        enc = [encode_fn(v) for v in values]
+    except UntrustedType as e:
+        send({"status": "untrusted_type", "error": str(e), "tampered": tampered})
+    except BaseException as e:  # a hostile __repr__/__iter__ ends up here
+        send(
+            {"status": "untrusted_type", "error": f"{type(e).__name__}: {str(e)[:200]}", "tampered": tampered}
+        )
+    send({"status": "ok", "value": enc[0], "repeat_same": enc[0] == enc[1], "tampered": tampered})
+
+
+def _is_skip(e):
+    names = [c.__name__.lower() for c in type(e).__mro__]
+    return any("skip" in n or "xfail" in n for n in names)
+
+
+def main():
+    _non_dumpable()
+    cfg = json.loads(sys.stdin.buffer.read())
+    sys.stdin.close()
+    sys.path.insert(0, cfg["judge_dir"])
+    os.chdir(cfg["judge_dir"])
+    cases = cfg["cases"]
+    rng = random.Random(int.from_bytes(os.urandom(8), "little"))
+    out = sys.stdout.buffer
+    n = 0
+    gave_up = False
+    for pass_no in range(cfg.get("passes", 2)):
+        order = list(range(len(cases)))
+        rng.shuffle(order)
+        for i in order:
+            if gave_up:  # after a timeout the grade is 0 anyway: do not spend the limit on every case
+                res = {"id": cases[i]["id"], "pass": pass_no, "status": "not_run"}
+            else:
+                res = run_one(cases[i], cfg, pass_no)
+                gave_up = res["status"] == "timeout"
+            out.write(json.dumps(res).encode() + b"\n")
+            out.flush()
+            n += 1
+    out.write(json.dumps({"end": True, "count": n}).encode() + b"\n")
+    out.flush()
+
+
+def run_one(case, cfg, pass_no):
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(r)
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        os.closerange(3, w)
+        os.closerange(w + 1, 1 << 16)
+        try:
+            run_case(case, cfg["module"], w)
+        finally:
+            os._exit(3)
+    os.close(w)
+    deadline = time.monotonic() + cfg["timeout_s"]
+    buf = b""
+    timed_out = False
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            timed_out = True
+            break
+        ready, _, _ = select.select([r], [], [], left)
+        if not ready:
+            continue
+        chunk = os.read(r, 65536)
+        if not chunk:
+            break
+        buf += chunk
+        if len(buf) > 2 * MAX_RESULT:
+            break
+    os.close(r)
+    if timed_out:
+        os.kill(pid, signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    base = {"id": case["id"], "pass": pass_no}
+    if timed_out:
+        return {**base, "status": "timeout"}
+    if not buf:
+        return {**base, "status": "no_result", "exit": os.waitstatus_to_exitcode(status)}
+    lines = buf.split(b"\n")
+    if len(lines) != 2 or lines[1] != b"":
+        return {**base, "status": "protocol", "error": f"{len(lines) - 1} result lines from one case"}
+    try:
+        res = json.loads(lines[0])
+    except ValueError:
+        code = os.waitstatus_to_exitcode(status)
+        return {**base, "status": "no_result", "exit": code}
+    return {**base, **res}
+
+
+if __name__ == "__main__":
+    main()
