@@ -15,6 +15,7 @@ from rewards.base import Grader, GraderConfigError
 BUILTIN: dict[str, str] = {
     "answer": "rewards.answer:AnswerGrader",
     "code": "rewards.code.grader:CodeGrader",
+    "kernel": "rewards.kernel.grader:KernelGrader",
     "effort": "rewards.effort:EffortGrader",
 }
 
