@@ -41,7 +41,7 @@ def grade(env, solution, extra=None, t=None):
 
 
 HEAD = "import torch\n\n\n"
-LSE = LSE
+LSE = "    return torch.exp(x * scale - torch.logsumexp(x * scale, -1, keepdim=True))\n"
 DEF = "def kernel(x, scale):\n"
 
 FUSED_INPLACE = (
@@ -192,35 +192,32 @@ CHEATS = {
     "fork-hidden-from-ast": (
         HEAD
         + "_os = __import__('o' + 's')\n\n\ndef kernel(x, scale):\n    if getattr(_os, 'fo' + 'rk')() == 0:\n"
-        "        __import__('time').sleep(30)\n        _os._exit(0)\n"
-        LSE,
+        "        __import__('time').sleep(30)\n        _os._exit(0)\n" + LSE,
         "process_injection",
     ),
     "more-intra-op-threads-hidden-from-ast": (
-        HEAD + "getattr(torch, 'set_num_' + 'threads')(2)\n\n\ndef kernel(x, scale):\n"
-        LSE,
+        HEAD + "getattr(torch, 'set_num_' + 'threads')(2)\n\n\ndef kernel(x, scale):\n" + LSE,
         "thread_injection",
     ),
     "more-intra-op-threads": (
-        HEAD + "torch.set_num_threads(2)\n\n\ndef kernel(x, scale):\n"
-        LSE,
+        HEAD + "torch.set_num_threads(2)\n\n\ndef kernel(x, scale):\n" + LSE,
         "thread_injection",
     ),
     "fork-a-helper-process": (
         HEAD + "import os\n\n\ndef kernel(x, scale):\n    if os.fork() == 0:\n        import time\n"
-        "        time.sleep(30)\n        os._exit(0)\n"
-        LSE,
+        "        time.sleep(30)\n        os._exit(0)\n" + LSE,
         "process_injection",
     ),
     "patch-the-timer": (
-        HEAD + "import time\n_real = time.perf_counter\ntime.perf_counter = lambda: _real() * 0.001\n\n\n"
-        DEF + LSE,
+        HEAD
+        + "import time\n_real = time.perf_counter\ntime.perf_counter = lambda: _real() * 0.001\n\n\n"
+        + DEF
+        + LSE,
         "timer_patch",
     ),
     "patch-the-timer-obfuscated": (
         HEAD + "import importlib\n_t = importlib.import_module('ti' + 'me')\n_r = _t.perf_counter\n"
-        "vars(_t)['perf_counter'] = lambda: _r() * 0.001\n\n\n"
-        DEF + LSE,
+        "vars(_t)['perf_counter'] = lambda: _r() * 0.001\n\n\n" + DEF + LSE,
         "timer_patch",
     ),
     "bfloat16-compute": (
