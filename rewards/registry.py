@@ -16,6 +16,7 @@ BUILTIN: dict[str, str] = {
     "answer": "rewards.answer:AnswerGrader",
     "code": "rewards.code.grader:CodeGrader",
     "kernel": "rewards.kernel.grader:KernelGrader",
+    "webdev": "rewards.webdev.grader:WebdevGrader",
     "effort": "rewards.effort:EffortGrader",
 }
 
