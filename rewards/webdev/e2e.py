@@ -247,7 +247,8 @@ def spec_todo(page, rng, log):
     remaining = sum(1 for i in range(len(todos)) if i != victim and i not in done)
     expect(
         f"(() => {{ const li = [...document.querySelectorAll('#todo-list li')];"
-        f" return li.length === {len(left)} && !li.some(x => x.textContent.includes({json.dumps(todos[victim])}))"
+        f" return li.length === {len(left)}"
+        f" && !li.some(x => x.textContent.includes({json.dumps(todos[victim])}))"
         f" && document.querySelector('#remaining').textContent.trim() === '{remaining}'; }})()",
         f"deleted todo {victim + 1}, remaining {remaining}",
     )
@@ -262,7 +263,8 @@ ERROR_HOOK = """(() => {
   const report = window.__rlk3_report;
   delete window.__rlk3_report;
   window.addEventListener('error', (e) => report('uncaught: ' + (e.message || e.type)), true);
-  window.addEventListener('unhandledrejection', (e) => report('unhandled rejection: ' + String(e.reason)), true);
+  window.addEventListener('unhandledrejection',
+                          (e) => report('unhandled rejection: ' + String(e.reason)), true);
 })();"""
 
 

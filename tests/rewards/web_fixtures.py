@@ -115,7 +115,8 @@ const store = createStore();
 const list = document.querySelector("#todo-list");
 store.subscribe((items) => {
   list.innerHTML = items.map((t) =>
-    `<li data-id="${t.id}" class="${t.done ? "done" : ""}"><input class="toggle" type="checkbox" ${t.done ? "checked" : ""}>` +
+    `<li data-id="${t.id}" class="${t.done ? "done" : ""}">` +
+    `<input class="toggle" type="checkbox" ${t.done ? "checked" : ""}>` +
     `<span class="text">${esc(t.text)}</span><button class="delete">delete</button></li>`).join("");
   document.querySelector("#remaining").textContent = items.filter((t) => !t.done).length;
 });
