@@ -307,3 +307,12 @@ def test_cuda_variant_honest_and_cheats(env):
         solution, code = CHEATS[name]
         g = grade(env, solution, t=t)
         assert g.score == 0 and code in g.reason_codes(), (name, g.reasons)
+
+
+def test_garbage_submission_is_bounded(env):
+    g = grade(env, b"\xff garbage \x00" * 200_000)
+    assert g.score == 0 and "syntax_error" in g.reason_codes()
+    sandboxes, grader = env
+    sid = sandboxes.create({"reference.py": REFERENCE, "notes.txt": b"\xff\xfe" * 1000})
+    g = grader.grade(task(), SimpleTrajectory(sandbox_id=sid))
+    assert g.score == 0 and "no_solution" in g.reason_codes()
