@@ -168,7 +168,7 @@ def main():
     path = res_dir / f"graders-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(out, indent=2))
     print(
-        f"\n| grader | grades/s | mean latency | p90 latency | grades | workers |\n|---|---|---|---|---|---|"
+        "\n| grader | grades/s | mean latency | p90 latency | grades | workers |\n|---|---|---|---|---|---|"
     )
     for r in rows:
         print(

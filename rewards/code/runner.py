@@ -12,7 +12,9 @@ The result stream ends with a count line; a killed or tampered runner leaves the
 """
 
 import contextlib
+import copy
 import ctypes
+import importlib
 import json
 import os
 import random
@@ -91,8 +93,6 @@ def run_case(case, module_name, fd):
 
     watch = _watch_list()
     before = {k: getattr(m, a) for k, (m, a) in watch.items()}
-    import copy
-    import importlib
 
     try:
         mod = importlib.import_module(module_name)
