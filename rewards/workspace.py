@@ -235,8 +235,7 @@ def _host_path(root: Path, path: str, *, create_parents: bool = False) -> Path:
 
 
 def _system_binds() -> list[str]:
-    """Read-only system tree: /usr (Debian 12 is merged-/usr), /etc, and the interpreter prefixes Python
-    needs (pyenv lives under /root, the venv in the repository)."""
+    """Read-only system tree: /usr (Debian 12 is merged-/usr) and /etc."""
     args = ["--ro-bind", "/usr", "/usr"]
     for link in ("bin", "lib", "lib64", "sbin"):
         target = f"/{link}"
@@ -245,6 +244,13 @@ def _system_binds() -> list[str]:
         elif os.path.isdir(target):
             args += ["--ro-bind", target, target]
     args += ["--ro-bind", "/etc", "/etc"]
+    return args
+
+
+def _interpreter_binds() -> list[str]:
+    """The interpreter prefixes, bound after the sandbox's own /tmp so that a checkout under /tmp (CI's
+    fresh clone) is not hidden by it."""
+    args = []
     for real in sorted({os.path.realpath(p) for p in (sys.base_prefix, sys.prefix)}):
         if not real.startswith("/usr") and os.path.isdir(real):
             args += ["--ro-bind", real, real]
@@ -337,6 +343,7 @@ class BwrapWorkspace:
             "/dev",
             "--tmpfs",
             "/tmp",
+            *_interpreter_binds(),
             "--bind",
             str(self.root),
             WORKDIR,

@@ -3,9 +3,10 @@
 `.pth` files are never processed). It reads its cases on stdin and never sees expected values: it only
 reports what the solution returned, as strictly typed JSON, and the grader compares outside the sandbox.
 
-Each case runs in a freshly forked child that has not imported the solution yet (so no state carries over
-between cases), in a random order, twice over (order dependence shows as a difference between passes),
-and each call is made twice in its process (call-count dependence). The child's stdout/stderr point at
+In the first pass each case runs in a freshly forked child that has not imported the solution yet (no
+state carries over between cases), in random order; in the second pass one fresh child runs every case in
+another random order (state carried from call to call shows as a difference between passes); each call is
+made twice in its process (call-count dependence). The child's stdout/stderr point at
 /dev/null and every other descriptor is closed, so the solution cannot write to the result stream; the
 runner is non-dumpable, so the solution (without capabilities) cannot open it through /proc either.
 The result stream ends with a count line; a killed or tampered runner leaves the stream short.
@@ -75,12 +76,13 @@ def _watch_list():
         "builtins.isinstance": (builtins, "isinstance"),
         "builtins.type": (builtins, "type"),
         "runner.encode": (main, "encode"),
-        "runner.run_case": (main, "run_case"),
+        "runner.run_cases": (main, "run_cases"),
+        "runner.eval_case": (main, "eval_case"),
     }
 
 
-def run_case(case, module_name, fd):
-    """Child side: import, call twice, encode, write one JSON line to `fd`, `_exit`."""
+def run_cases(cases, module_name, fd):
+    """Child side: import once, then per case call twice, encode, write one JSON line to `fd`."""
     write, _exit, dumps = os.write, os._exit, json.dumps
     encode_fn = encode
 
@@ -89,16 +91,22 @@ def run_case(case, module_name, fd):
         if len(data) > MAX_RESULT:
             data = dumps({"status": "too_large", "bytes": len(data)}).encode()
         write(fd, data + b"\n")
-        _exit(0)
 
     watch = _watch_list()
     before = {k: getattr(m, a) for k, (m, a) in watch.items()}
-
     try:
         mod = importlib.import_module(module_name)
     except BaseException as e:  # anything at import time is a collection error
         kind = "skipped" if _is_skip(e) else "exit" if isinstance(e, SystemExit) else "collection_error"
-        send({"status": kind, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+        for _ in cases:
+            send({"status": kind, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+        _exit(0)
+    for case in cases:
+        send(eval_case(case, mod, watch, before, encode_fn))
+    _exit(0)
+
+
+def eval_case(case, mod, watch, before, encode_fn):
     values = []
     try:
         for _ in range(2):
@@ -111,17 +119,19 @@ def run_case(case, module_name, fd):
                 values.append(fn(*copy.deepcopy(case.get("args", []))))
     except BaseException as e:
         kind = "skipped" if _is_skip(e) else "exit" if isinstance(e, SystemExit) else "error"
-        send({"status": kind, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+        return {"status": kind, "error": f"{type(e).__name__}: {str(e)[:300]}"}
     tampered = sorted(k for k, (m, a) in watch.items() if getattr(m, a, None) is not before[k])
     try:
         enc = [encode_fn(v) for v in values]
     except UntrustedType as e:
-        send({"status": "untrusted_type", "error": str(e), "tampered": tampered})
+        return {"status": "untrusted_type", "error": str(e), "tampered": tampered}
     except BaseException as e:  # a hostile __repr__/__iter__ ends up here
-        send(
-            {"status": "untrusted_type", "error": f"{type(e).__name__}: {str(e)[:200]}", "tampered": tampered}
-        )
-    send({"status": "ok", "value": enc[0], "repeat_same": enc[0] == enc[1], "tampered": tampered})
+        return {
+            "status": "untrusted_type",
+            "error": f"{type(e).__name__}: {str(e)[:200]}",
+            "tampered": tampered,
+        }
+    return {"status": "ok", "value": enc[0], "repeat_same": enc[0] == enc[1], "tampered": tampered}
 
 
 def _is_skip(e):
@@ -141,22 +151,27 @@ def main():
     n = 0
     gave_up = False
     for pass_no in range(cfg.get("passes", 2)):
-        order = list(range(len(cases)))
-        rng.shuffle(order)
-        for i in order:
+        order = [cases[i] for i in rng.sample(range(len(cases)), len(cases))]
+        # pass 0: a fresh process per case; later passes: one process for all cases in another random
+        # order, so state carried from call to call (counters, caches, files) shows as a difference
+        groups = [[c] for c in order] if pass_no == 0 else [order]
+        for group in groups:
             if gave_up:  # after a timeout the grade is 0 anyway: do not spend the limit on every case
-                res = {"id": cases[i]["id"], "pass": pass_no, "status": "not_run"}
+                results = [{"status": "not_run"} for _ in group]
             else:
-                res = run_one(cases[i], cfg, pass_no)
-                gave_up = res["status"] == "timeout"
-            out.write(json.dumps(res).encode() + b"\n")
+                results = run_group(group, cfg)
+                gave_up = any(r["status"] == "timeout" for r in results)
+            for case, res in zip(group, results):
+                out.write(json.dumps({"id": case["id"], "pass": pass_no, **res}).encode() + b"\n")
+                n += 1
             out.flush()
-            n += 1
     out.write(json.dumps({"end": True, "count": n}).encode() + b"\n")
     out.flush()
 
 
-def run_one(case, cfg, pass_no):
+def run_group(group, cfg):
+    """Fork a child that has not imported the solution, let it run `group`, read one line per case; a
+    case that does not answer within the per-case limit ends the group."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # child
@@ -167,45 +182,55 @@ def run_one(case, cfg, pass_no):
         os.closerange(3, w)
         os.closerange(w + 1, 1 << 16)
         try:
-            run_case(case, cfg["module"], w)
+            run_cases(group, cfg["module"], w)
         finally:
             os._exit(3)
     os.close(w)
-    deadline = time.monotonic() + cfg["timeout_s"]
+    results = []
     buf = b""
+    eof = False
     timed_out = False
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            timed_out = True
+    deadline = time.monotonic() + cfg["timeout_s"]
+    while len(results) < len(group) and not eof:
+        while b"\n" not in buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            ready, _, _ = select.select([r], [], [], left)
+            if not ready:
+                continue
+            chunk = os.read(r, 65536)
+            if not chunk:
+                eof = True
+                break
+            buf += chunk
+            if len(buf) > 2 * MAX_RESULT:
+                eof = True
+                break
+        if timed_out:
             break
-        ready, _, _ = select.select([r], [], [], left)
-        if not ready:
-            continue
-        chunk = os.read(r, 65536)
-        if not chunk:
-            break
-        buf += chunk
-        if len(buf) > 2 * MAX_RESULT:
-            break
+        while b"\n" in buf and len(results) < len(group):
+            line, buf = buf.split(b"\n", 1)
+            try:
+                results.append(json.loads(line))
+            except ValueError:
+                results.append({"status": "protocol", "error": "unparsable result line"})
+            deadline = time.monotonic() + cfg["timeout_s"]
     os.close(r)
-    if timed_out:
-        os.kill(pid, signal.SIGKILL)
+    if timed_out or len(results) < len(group):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     _, status = os.waitpid(pid, 0)
-    base = {"id": case["id"], "pass": pass_no}
-    if timed_out:
-        return {**base, "status": "timeout"}
-    if not buf:
-        return {**base, "status": "no_result", "exit": os.waitstatus_to_exitcode(status)}
-    lines = buf.split(b"\n")
-    if len(lines) != 2 or lines[1] != b"":
-        return {**base, "status": "protocol", "error": f"{len(lines) - 1} result lines from one case"}
-    try:
-        res = json.loads(lines[0])
-    except ValueError:
-        code = os.waitstatus_to_exitcode(status)
-        return {**base, "status": "no_result", "exit": code}
-    return {**base, **res}
+    if len(results) < len(group):
+        missing = (
+            {"status": "timeout"}
+            if timed_out
+            else {"status": "no_result", "exit": os.waitstatus_to_exitcode(status)}
+        )
+        results.append(missing)
+        results += [{"status": "not_run"} for _ in range(len(group) - len(results))]
+    return results
 
 
 if __name__ == "__main__":
