@@ -39,7 +39,6 @@ test-gpu:
 
 lint: setup
 	$(PY) -m ruff check .
-	$(PY) -m ruff format --check .
 
 demo:
 	@echo "make demo is not built yet: it arrives with the demo issue (nine teachers + MOPD on k3-tiny)." >&2

@@ -1,0 +1,87 @@
+"""``python -m envs.sandbox serve --host 127.0.0.1 --port 3000``: the E2B-compatible sandbox server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m envs.sandbox", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="serve E2B's REST API and envd API on one port")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=3000)
+    s.add_argument(
+        "--state",
+        type=Path,
+        default=Path(os.environ.get("RLK3_SANDBOX_STATE", "/var/lib/rlk3-sandbox")),
+        help="registry, disk image and CRIU images live here; a restart with the same --state keeps "
+        "paused sandboxes and snapshots",
+    )
+    s.add_argument("--backend", choices=("bwrap",), default="bwrap")
+    s.add_argument(
+        "--disk-gb", type=int, default=64, help="size of the sparse btrfs image holding all layers"
+    )
+    s.add_argument(
+        "--criu", default=None, help="path of the criu binary (default: .cache/criu/criu, then PATH)"
+    )
+    s.add_argument(
+        "--pause",
+        choices=("memory", "freeze"),
+        default="memory",
+        help="what a memory-mode pause does: CRIU dump (0 CPU, ~0 memory) or cgroup freeze (0 CPU)",
+    )
+    s.add_argument(
+        "--on-exit",
+        choices=("pause", "kill", "keep"),
+        default="pause",
+        help="what happens to running sandboxes when the server stops",
+    )
+    s.add_argument("--max-sandboxes", type=int, default=1000)
+    s.add_argument("--max-upload-mb", type=int, default=100)
+    s.add_argument(
+        "--api-key",
+        default=os.environ.get("RLK3_SANDBOX_API_KEY"),
+        help="require this X-API-KEY on REST calls (default: accept any)",
+    )
+    s.add_argument("--log-level", default="info")
+    args = ap.parse_args(argv)
+
+    if os.geteuid() != 0:
+        print("the sandbox server needs root (namespaces, cgroups, mounts, CRIU)", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from .runtime import Manager
+    from .server import build_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    manager = Manager(
+        args.state,
+        backend=args.backend,
+        disk_gb=args.disk_gb,
+        criu=args.criu,
+        default_pause=args.pause,
+        on_exit=args.on_exit,
+        max_sandboxes=args.max_sandboxes,
+    )
+    app = build_app(manager, api_key=args.api_key, max_upload_mb=args.max_upload_mb)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=30,
+        limit_concurrency=None,
+        http="h11",
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,552 @@
+"""The default backend: bubblewrap namespaces over a layered btrfs+overlayfs disk, cgroup limits, CRIU.
+
+A sandbox's process tree is launched as ``unshare -m`` (a private mount namespace that holds the sandbox's
+overlay mount, so the mount disappears with the sandbox and is never visible on the host) → ``sh`` (joins
+the sandbox's cgroups, mounts the overlay) → ``bwrap`` → the agent as PID 1. CRIU restores run the same way
+with ``criu restore`` in place of ``bwrap``, so a restored tree sits in fresh cgroups and namespaces.
+
+Disk layout (one loop-mounted btrfs image per server state directory):
+
+    layers/<id>/upper   sealed, read-only subvolumes: the base skeleton, template layers, snapshot layers
+    uppers/<id>/upper   one writable subvolume per live sandbox with a qgroup limit (the disk quota)
+    images/<id>/        CRIU images (memory pauses, memory snapshots, fork sources)
+    /run/rlk3-sbx-<tag>/{root,run}  where the launcher's private mount namespace mounts the sandbox's
+                        overlay and the agent directory (never visible in the host's namespace)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+from .host import (
+    Cgroups,
+    HostError,
+    Limits,
+    Reaper,
+    ensure_disk,
+    qgroup_limit,
+    release_disk,
+    set_readonly,
+    subvol_create,
+    subvol_delete,
+)
+
+HOST_RO = ("usr", "bin", "lib", "lib32", "lib64", "libx32", "sbin")
+# /etc is copied (not bound) so a sandbox can edit its own /etc and never sees host secrets such as shadow
+ETC_ALLOW = (
+    "alternatives",
+    "bash.bashrc",
+    "ca-certificates",
+    "ca-certificates.conf",
+    "debian_version",
+    "environment",
+    "gai.conf",
+    "host.conf",
+    "inputrc",
+    "issue",
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "locale.alias",
+    "localtime",
+    "login.defs",
+    "mime.types",
+    "nsswitch.conf",
+    "os-release",
+    "profile",
+    "profile.d",
+    "protocols",
+    "python3",
+    "python3.11",
+    "rpc",
+    "services",
+    "skel",
+    "ssl",
+    "timezone",
+    "xattr.conf",
+    "npmrc",
+    "nodejs",
+)
+PASSWD = (
+    "root:x:0:0:root:/root:/bin/bash\nuser:x:1000:1000:user:/home/user:/bin/bash\n"
+    "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+)
+GROUP = "root:x:0:\nuser:x:1000:\nnogroup:x:65534:\n"
+CRIU_COMMON = [
+    "--ext-mount-map",
+    "auto",
+    "--enable-external-sharing",
+    "--enable-external-masters",
+    "--tcp-established",
+    "--file-locks",
+    "--manage-cgroups=ignore",
+]
+# Sandbox ids 0..65535 are host ids 100000..165535: root in a sandbox is an unprivileged host user, so even
+# where the kernel checks only file ownership (e.g. sysctls under /proc/sys), it is not the host's root. The
+# map is wide because CRIU restores net sysctls such as ping_group_range ("1 0") that need gid 1 mapped.
+ID_SHIFT = 100000
+ID_COUNT = 65536
+ID_MAP = f"0 {ID_SHIFT} {ID_COUNT}"
+
+
+def find_criu(explicit: str | None = None) -> str | None:
+    """CRIU 4.1.1 built by scripts/setup.d/sandbox.sh into .cache/criu/, else $RLK3_CRIU, else PATH."""
+    for cand in (
+        explicit,
+        os.environ.get("RLK3_CRIU"),
+        str(Path(__file__).resolve().parents[2] / ".cache" / "criu" / "criu"),
+        shutil.which("criu"),
+    ):
+        if cand and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+class BwrapBackend:
+    name = "bwrap"
+
+    def __init__(self, state: Path, reaper: Reaper, *, disk_gb: int = 64, criu: str | None = None) -> None:
+        for ch in ":, ":
+            if ch in str(state):
+                raise HostError(f"state directory {state} must not contain {ch!r} (overlayfs option syntax)")
+        self.state = state
+        self.reaper = reaper
+        self.disk_gb = disk_gb
+        self.disk = state / "disk"
+        tag = hashlib.sha1(str(state.resolve()).encode()).hexdigest()[:8]
+        self.cgroups = Cgroups(tag)
+        self.view = Path(f"/run/rlk3-sbx-{tag}")
+        # the agent's directory (its code and the server's socket) must be reachable by the sandbox's
+        # unprivileged host uid, also when CRIU re-binds it on restore: a short path under /run, mode 755
+        self.run_dir = self.view / "agent"
+        self.criu = find_criu(criu)
+        self.userns_holder: int | None = None
+        self.userns_fd: int | None = None
+
+    # ------------------------------------------------------------------------------------ setup
+    async def start(self) -> None:
+        for tool in ("/usr/bin/bwrap", "/usr/bin/unshare", "/usr/bin/btrfs"):
+            if not os.access(tool, os.X_OK):
+                raise HostError(f"{tool} is missing: run `make system` (scripts/setup.d/sandbox.sh) first")
+        self.state.mkdir(parents=True, exist_ok=True)
+        await ensure_disk(self.reaper, self.state / "disk.img", self.disk, self.disk_gb)
+        for d in ("layers", "uppers", "images"):
+            (self.disk / d).mkdir(exist_ok=True)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        for d in (self.view / "root", self.run_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.view, 0o755)
+        shutil.copyfile(Path(__file__).with_name("agent.py"), self.run_dir / "agent.py")
+        self._start_userns_holder()
+
+    def _start_userns_holder(self) -> None:
+        # bwrap can map only one uid; a holder process owns a user namespace with the wide shifted map that
+        # every freshly booted sandbox joins (nsenter, then bwrap as the namespace's root = host uid 100000).
+        # Host root creates it so that host root owns it: this machine's root lacks CAP_SYS_RESOURCE, and
+        # CRIU may read the rlimits of processes under another uid only in a namespace its caller owns.
+        # CRIU-restored sandboxes get a user namespace of their own, also owned by host root.
+        pid = self.reaper.spawn(
+            [
+                "/usr/bin/setpriv",
+                "--pdeathsig",
+                "KILL",
+                "--",
+                "/usr/bin/unshare",
+                "--user",
+                "--",
+                "/usr/bin/sleep",
+                "infinity",
+            ],
+            setsid=True,
+        )
+        deadline = time.monotonic() + 5
+        while os.readlink(f"/proc/{pid}/ns/user") == os.readlink("/proc/self/ns/user"):
+            if time.monotonic() > deadline:
+                raise HostError("user namespace holder did not start")
+            time.sleep(0.001)
+        for f in ("uid_map", "gid_map"):
+            with open(f"/proc/{pid}/{f}", "w") as fh:
+                fh.write(ID_MAP)
+        self.userns_holder = pid
+        self.userns_fd = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+
+    async def stop(self, unmount: bool = True) -> None:
+        if self.userns_holder:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.userns_holder, signal.SIGKILL)
+            if self.userns_fd is not None:
+                os.close(self.userns_fd)
+            self.userns_holder = None
+        if unmount:
+            await release_disk(self.reaper, self.disk)
+        self.cgroups.remove_tree()  # only succeeds once no sandbox leaf is left
+        for f in ("agent.py", "agent.sock"):
+            with contextlib.suppress(OSError):
+                (self.run_dir / f).unlink()
+        for d in (self.view / "root", self.run_dir, self.view):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+
+    # ------------------------------------------------------------------------------------ layers
+    def layer_path(self, layer: str) -> Path:
+        return self.disk / "layers" / layer
+
+    def upper_path(self, upper: str) -> Path:
+        return self.disk / "uppers" / upper
+
+    def image_path(self, image: str) -> Path:
+        return self.disk / "images" / image
+
+    def new_upper(self, upper: str, limits: Limits) -> None:
+        path = self.upper_path(upper)
+        subvol_create(path)
+        (path / "upper").mkdir()
+        (path / "work").mkdir()
+        os.chown(path / "upper", ID_SHIFT, ID_SHIFT)  # the sandbox's "/" belongs to its own root
+        qgroup_limit(path, limits.disk_mb << 20)
+
+    def seal(self, upper: str, layer: str) -> None:
+        """Turn a writable upper into a read-only layer: a rename and a flag, constant time (no copy)."""
+        src = self.upper_path(upper)
+        dst = self.layer_path(layer)
+        shutil.rmtree(src / "work", ignore_errors=True)
+        os.rename(src, dst)
+        set_readonly(dst, True)
+
+    def delete_upper(self, upper: str) -> None:
+        path = self.upper_path(upper)
+        if path.exists():
+            shutil.rmtree(path / "work", ignore_errors=True)  # overlay leaves root-owned 000 dirs here
+            subvol_delete(path)
+
+    def delete_layer(self, layer: str) -> None:
+        subvol_delete(self.layer_path(layer))
+
+    def delete_image(self, image: str) -> None:
+        shutil.rmtree(self.image_path(image), ignore_errors=True)
+
+    def layers_on_disk(self) -> set[str]:
+        return {p.name for p in (self.disk / "layers").iterdir()}
+
+    def uppers_on_disk(self) -> set[str]:
+        return {p.name for p in (self.disk / "uppers").iterdir()}
+
+    def images_on_disk(self) -> set[str]:
+        return {p.name for p in (self.disk / "images").iterdir()}
+
+    def build_base_layer(self) -> str:
+        """The skeleton every sandbox starts from: empty mountpoints, merged-usr links, a copied /etc."""
+        h = hashlib.sha256(f"rlk3-base-v2-{ID_MAP}".encode())
+        for name in sorted(ETC_ALLOW):
+            p = Path("/etc") / name
+            if p.is_file() and not p.is_symlink():
+                h.update(name.encode() + p.read_bytes())
+            elif p.exists():
+                h.update(name.encode())
+        layer = "base-" + h.hexdigest()[:12]
+        if self.layer_path(layer).exists():
+            return layer
+        tmp = self.upper_path(layer + ".tmp")
+        if tmp.exists():
+            subvol_delete(tmp)
+        subvol_create(tmp)
+        root = tmp / "upper"
+        for d in (
+            "proc",
+            "dev",
+            "tmp",
+            "var/tmp",
+            "run/rlk3",
+            "home/user",
+            "root",
+            "opt",
+            "etc",
+            "mnt",
+            "srv",
+            "var/log",
+            "var/cache",
+            "var/lib",
+            "usr",
+        ):
+            (root / d).mkdir(parents=True, exist_ok=True)
+        os.chmod(root / "tmp", 0o1777)
+        os.chmod(root / "var/tmp", 0o1777)
+        os.chmod(root / "root", 0o700)
+        os.chown(root / "home/user", 1000, 1000)
+        for name in HOST_RO[1:]:
+            host = Path("/") / name
+            if host.is_symlink():
+                os.symlink(os.readlink(host), root / name)
+            elif host.is_dir():
+                (root / name).mkdir()
+        for name in ETC_ALLOW:
+            src = Path("/etc") / name
+            dst = root / "etc" / name
+            if src.is_symlink():
+                os.symlink(os.readlink(src), dst)
+            elif src.is_dir():
+                shutil.copytree(src, dst, symlinks=True)
+            elif src.is_file():
+                shutil.copy2(src, dst)
+        (root / "etc/passwd").write_text(PASSWD)
+        (root / "etc/group").write_text(GROUP)
+        (root / "etc/hostname").write_text("sandbox\n")
+        (root / "etc/hosts").write_text("127.0.0.1\tlocalhost sandbox\n::1\tlocalhost ip6-localhost\n")
+        (root / "etc/resolv.conf").write_text("# no network: sandboxes have loopback only\n")
+        _shift_ids(root)
+        shutil.rmtree(tmp / "work", ignore_errors=True)
+        os.rename(tmp, self.layer_path(layer))
+        set_readonly(self.layer_path(layer), True)
+        return layer
+
+    # ------------------------------------------------------------------------------------ launch
+    def _overlay_opts(self, layers: list[str], upper: str) -> str:
+        # relative paths (the launcher runs in the disk root) keep the option string under one page
+        lower = ":".join(f"layers/{layer}/upper" for layer in layers)
+        return f"lowerdir={lower},upperdir=uppers/{upper}/upper,workdir=uppers/{upper}/work"
+
+    def _launcher(
+        self,
+        sid: str,
+        procs_files: list[str],
+        layers: list[str],
+        upper: str,
+        then: list[str],
+        info_fd: int | None = None,
+        extra_fds: tuple[int, ...] = (),
+    ) -> int:
+        # In the launcher's private mount namespace the sandbox's root is mounted at a fixed path,
+        # /run/rlk3-sbx-<tag>/root (one mount per namespace, so sandboxes never collide): bwrap runs as the
+        # unprivileged sandbox uid and must be able to reach it whatever the state path is.
+        script = (
+            'set -e; for f in $RLK3_CGROUPS; do echo $$ > "$f"; done; cd "$RLK3_DISK"; '
+            'mount -t overlay overlay -o "$RLK3_OVL" "$RLK3_VIEW/root"; '
+            'exec "$@"'
+        )
+        env = {
+            "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
+            "RLK3_CGROUPS": " ".join(procs_files),
+            "RLK3_DISK": str(self.disk),
+            "RLK3_OVL": self._overlay_opts(layers, upper),
+            "RLK3_VIEW": str(self.view),
+        }
+        argv = [
+            "/usr/bin/unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "--",
+            "/bin/sh",
+            "-c",
+            script,
+            "sh",
+            *then,
+        ]
+        fds = tuple(fd for fd in (info_fd, *extra_fds) if fd is not None)
+        return self.reaper.spawn(argv, env=env, setsid=True, pass_fds=fds)
+
+    def _bwrap_argv(self, sid: str, info_fd: int) -> list[str]:
+        argv = [
+            "/usr/bin/nsenter",
+            f"--user=/proc/self/fd/{self.userns_fd}",
+            "--setuid=0",
+            "--setgid=0",
+            "--",
+            "/usr/bin/bwrap",
+            "--unshare-pid",
+            "--unshare-net",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--unshare-cgroup-try",
+            "--as-pid-1",
+            # capabilities inside the sandbox's own user namespace only (the agent switches users for
+            # commands); the host uid behind them is unprivileged
+            "--cap-add",
+            "ALL",
+            "--new-session",
+            "--hostname",
+            "sandbox",
+            "--bind",
+            str(self.view / "root"),
+            "/",
+        ]
+        for name in HOST_RO:
+            host = Path("/") / name
+            if host.is_dir() and not host.is_symlink():
+                argv += ["--ro-bind", str(host), f"/{name}"]
+        argv += [
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--ro-bind",
+            str(self.run_dir),
+            "/run/rlk3",
+            "--chdir",
+            "/",
+            "--clearenv",
+            "--setenv",
+            "PATH",
+            "/usr/sbin:/usr/bin:/sbin:/bin",
+            "--info-fd",
+            str(info_fd),
+            "/usr/bin/python3",
+            "-I",
+            "-S",
+            "/run/rlk3/agent.py",
+            sid,
+        ]
+        return argv
+
+    async def boot(self, sid: str, layers: list[str], upper: str, limits: Limits) -> int:
+        """Start a fresh agent over the disk; returns the agent's host PID."""
+        procs = self.cgroups.create(sid, limits)
+        r, w = os.pipe2(os.O_CLOEXEC)
+        try:
+            launcher = self._launcher(
+                sid, procs, layers, upper, self._bwrap_argv(sid, w), info_fd=w, extra_fds=(self.userns_fd,)
+            )
+        finally:
+            os.close(w)
+        loop = asyncio.get_running_loop()
+        try:
+            info = await asyncio.wait_for(loop.run_in_executor(None, _read_all, r), 10)
+        finally:
+            os.close(r)
+        if not info:
+            code = await asyncio.wait_for(self.reaper.wait(launcher), 10)
+            raise HostError(f"sandbox launcher exited {code} before the sandbox started")
+        # the launcher (bwrap's outer process) lives until the sandbox's PID 1 exits; the reaper reaps it
+        pid = int(json.loads(info)["child-pid"])
+        _protect(pid)
+        return pid
+
+    async def dump(self, sid: str, pid: int, image: str, *, leave_running: bool = False) -> float:
+        """CRIU-dump the tree rooted at ``pid`` into images/<image>; returns seconds taken."""
+        if not self.criu:
+            raise HostError("CRIU is not available: run `make system` to build CRIU 4.1.1 into .cache/criu/")
+        img = self.image_path(image)
+        img.mkdir(parents=True, exist_ok=True)
+        argv = [
+            self.criu,
+            "dump",
+            "-t",
+            str(pid),
+            "-D",
+            str(img),
+            "-o",
+            "dump.log",
+            *CRIU_COMMON,
+            "--network-lock",
+            "skip",
+        ]
+        if leave_running:
+            argv.append("--leave-running")
+        t = time.perf_counter()
+        code, _ = await self.reaper.run(argv, check=False, timeout=120)
+        if code != 0:
+            raise HostError(f"criu dump of sandbox {sid} failed: {_log_tail(img / 'dump.log')}")
+        return time.perf_counter() - t
+
+    async def restore(self, sid: str, image: str, layers: list[str], upper: str, limits: Limits) -> int:
+        """Restore images/<image> into fresh namespaces and cgroups over the disk; returns the agent PID."""
+        if not self.criu:
+            raise HostError("CRIU is not available: run `make system` to build CRIU 4.1.1 into .cache/criu/")
+        img = self.image_path(image)
+        procs = self.cgroups.create(sid, limits)
+        pidfile = self.run_dir / f"restore-{sid}.pid"
+        log = f"restore-{sid}.log"
+        argv = [
+            self.criu,
+            "restore",
+            "-D",
+            str(img),
+            "-o",
+            log,
+            "--root",
+            str(self.view / "root"),
+            "-d",
+            "--pidfile",
+            str(pidfile),
+            *CRIU_COMMON,
+        ]
+        launcher = self._launcher(sid, procs, layers, upper, argv)
+        code = await asyncio.wait_for(self.reaper.wait(launcher), 120)
+        if code != 0:
+            tail = _log_tail(img / log)
+            raise HostError(f"criu restore of sandbox {sid} failed (exit {code}): {tail}")
+        pid = int(pidfile.read_text())
+        pidfile.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            (img / log).unlink()
+        _protect(pid)
+        return pid
+
+    def wake(self, pid: int) -> None:
+        """SIGUSR1 tells a held agent (after detach or restore) to reconnect now."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
+
+    def freeze(self, sid: str) -> None:
+        self.cgroups.freeze(sid, True)
+
+    def thaw(self, sid: str) -> None:
+        self.cgroups.freeze(sid, False)
+
+    async def destroy(self, sid: str) -> None:
+        """Kill every process of the sandbox and remove its cgroups and mountpoint."""
+        await self.cgroups.remove(sid)
+
+    def cpu_usec(self, sid: str) -> int:
+        return self.cgroups.cpu_usec(sid)
+
+    def memory_bytes(self, sid: str) -> int:
+        return self.cgroups.memory_bytes(sid)
+
+    def alive(self, sid: str) -> bool:
+        return bool(self.cgroups.procs(sid))
+
+
+def _shift_ids(root: Path) -> None:
+    """Give the skeleton to the sandbox's ids (host 0 -> 100000, 1000 -> 101000)."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [".", *dirnames, *filenames]:
+            p = os.path.join(dirpath, name)
+            st = os.lstat(p)
+            if st.st_uid < ID_COUNT and st.st_gid < ID_COUNT:
+                os.lchown(p, st.st_uid + ID_SHIFT, st.st_gid + ID_SHIFT)
+
+
+def _protect(pid: int) -> None:
+    # the agent must outlive an OOM inside its own sandbox; the memory bomb is what should die
+    try:
+        with open(f"/proc/{pid}/oom_score_adj", "w") as f:
+            f.write("-1000")
+    except OSError:
+        pass
+
+
+def _read_all(fd: int) -> bytes:
+    out = b""
+    while True:
+        part = os.read(fd, 65536)
+        if not part:
+            return out
+        out += part
+
+
+def _log_tail(path: Path) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return f"(no log at {path})"
+    errors = [ln for ln in lines if "Error" in ln and "RLIMIT_NOFILE" not in ln]
+    return " | ".join((errors or lines)[-6:])

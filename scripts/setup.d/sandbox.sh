@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# System parts of the sandbox runtime (envs/sandbox), idempotent:
+#   bubblewrap (namespaces), btrfs-progs (the quota'd layer disk), iptables (CRIU restores network namespaces
+#   with iptables-restore), python3-venv + python3-pytest (the `python` template), node + npm (the `node`
+#   template, only if the host has no node yet), runsc from bookworm-backports (the gVisor backend), and
+#   CRIU 4.1.1 built once from the upstream tarball Debian trixie ships: bookworm's CRIU 3.17 fails on this
+#   kernel's vDSO layout. Builds go to .cache/ (gitignored); the system apt configuration is never changed.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+export DEBIAN_FRONTEND=noninteractive
+
+PKGS=(bubblewrap btrfs-progs iptables util-linux python3 python3-venv python3-pytest
+      build-essential pkg-config libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev protobuf-compiler
+      python3-protobuf libnl-3-dev libnet1-dev libcap-dev libbsd-dev uuid-dev libgnutls28-dev
+      libnftables-dev libaio-dev)
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+command -v node >/dev/null || missing+=(nodejs npm)
+if ((${#missing[@]})); then
+  echo "sandbox: apt-get install ${missing[*]}"
+  apt-get update -q >/dev/null
+  apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# a private apt state, so the host's sources stay as they are
+private_apt() {  # $1 = name, $2 = sources text; prints the apt options to use
+  local dir="$ROOT/.cache/apt-$1"
+  mkdir -p "$dir/lists/partial" "$dir/cache/archives/partial"
+  printf '%s\n' "$2" > "$dir/sources.list"
+  echo "-o Dir::Etc::SourceList=$dir/sources.list -o Dir::Etc::SourceParts=/dev/null" \
+       "-o Dir::State::Lists=$dir/lists -o Dir::Cache=$dir/cache"
+}
+
+# ---- CRIU 4.1.1
+CRIU_SHA256=f80a66cb3726bb2116266d4759ce3bcbfab7abdb6b6d430bf20dd41911717afe
+if ! [ -x .cache/criu/criu ] || ! .cache/criu/criu --version 2>/dev/null | grep -q "Version: 4.1.1"; then
+  opts=$(private_apt trixie-src "deb-src http://deb.debian.org/debian trixie main")
+  # shellcheck disable=SC2086
+  apt-get $opts update -q >/dev/null
+  work=$(mktemp -d)
+  # the .dsc may be gone from the pool while the upstream tarball stays; only the tarball is needed
+  # shellcheck disable=SC2086
+  (cd "$work" && apt-get $opts source --download-only criu=4.1.1-1 >/dev/null 2>&1 || true)
+  tarball="$work/criu_4.1.1.orig.tar.xz"
+  [ -f "$tarball" ] || { echo "sandbox: could not download criu_4.1.1.orig.tar.xz from Debian trixie" >&2; exit 1; }
+  echo "$CRIU_SHA256  $tarball" | sha256sum -c --quiet
+  tar -C "$work" -xf "$tarball"
+  echo "sandbox: building CRIU 4.1.1 (about 30-50 s)"
+  make -C "$work/criu-4.1.1" -j"$(nproc)" criu >"$work/build.log" 2>&1 || { tail -30 "$work/build.log"; exit 1; }
+  mkdir -p .cache/criu
+  install -m 755 "$work/criu-4.1.1/criu/criu" .cache/criu/criu
+  rm -rf "$work"
+fi
+.cache/criu/criu check >/dev/null 2>&1 || echo "sandbox: warning: criu check did not pass on this kernel" >&2
+
+# ---- runsc (gVisor) from bookworm-backports, unpacked into .cache/runsc (not installed system-wide)
+if ! [ -x .cache/runsc/usr/bin/runsc ]; then
+  opts=$(private_apt bookworm-backports "deb http://deb.debian.org/debian bookworm-backports main")
+  # shellcheck disable=SC2086
+  apt-get $opts update -q >/dev/null
+  work=$(mktemp -d)
+  # shellcheck disable=SC2086
+  (cd "$work" && apt-get $opts download runsc >/dev/null 2>&1)
+  mkdir -p .cache/runsc
+  dpkg -x "$work"/runsc_*.deb .cache/runsc
+  rm -rf "$work"
+fi
+echo "sandbox: bwrap $(bwrap --version | cut -d' ' -f2), $(.cache/criu/criu --version | head -1), runsc $(.cache/runsc/usr/bin/runsc --version 2>/dev/null | head -1 | awk '{print $3}')"

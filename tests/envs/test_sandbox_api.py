@@ -1,0 +1,180 @@
+"""Bad input gets E2B-shaped JSON errors; nothing a client sends crashes the server or leaks a sandbox.
+Issue 4, item 5: a server restart keeps paused sandboxes and snapshots, and they resume."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import httpx
+import pytest
+from e2b import AsyncSandbox
+
+
+def _err(r: httpx.Response, status: int, *words: str) -> None:
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert body["code"] == status and isinstance(body["message"], str)
+    for w in words:
+        assert w in body["message"], body["message"]
+
+
+def test_bad_input_is_answered_with_e2b_shaped_errors(server):
+    sbx = asyncio.run(AsyncSandbox.create())
+    sid = sbx.sandbox_id
+    try:
+        with server.api() as c:
+            before = {s["sandboxID"] for s in c.get("/v2/sandboxes").json()}
+            _err(c.post("/v2/sandboxes", json={"templateID": "no-such"}), 404, "no-such", "base", "python")
+            _err(c.post("/v2/sandboxes", content=b"{not json"), 400, "not valid JSON")
+            _err(c.post("/v2/sandboxes", json=["base"]), 400, "JSON object")
+            _err(c.post("/v2/sandboxes", json={}), 400, "templateID")
+            _err(c.post("/v2/sandboxes", json={"templateID": 7}), 400, "templateID")
+            _err(c.post("/v2/sandboxes", json={"templateID": "base", "timeout": -1}), 400, "timeout")
+            _err(c.post("/v2/sandboxes", json={"templateID": "base", "timeout": True}), 400, "timeout")
+            _err(c.post("/v2/sandboxes", json={"templateID": "base", "metadata": {"a": 1}}), 400, "metadata")
+            _err(
+                c.post("/v2/sandboxes", json={"templateID": "base", "allow_internet_access": True}),
+                400,
+                "loopback",
+            )
+            _err(c.get("/sandboxes/nope"), 404, "nope")
+            _err(c.delete("/sandboxes/nope"), 404)
+            _err(c.post("/sandboxes/nope/pause"), 404)
+            _err(c.post("/sandboxes/nope/connect", json={}), 404)
+            for count in (0, 21, "3"):
+                _err(c.post(f"/sandboxes/{sid}/fork", json={"count": count}), 400, "count")
+            _err(c.post(f"/sandboxes/{sid}/timeout", json={"timeout": "soon"}), 400, "timeout")
+            _err(c.post(f"/sandboxes/{sid}/pause", headers={"X-Rlk3-Pause": "nap"}), 400, "freeze")
+            _err(c.get("/v2/sandboxes", params={"limit": "many"}), 400, "limit")
+            _err(c.get("/v2/sandboxes", params={"state": "zombie"}), 400, "state")
+            _err(c.delete("/templates/base"), 404)
+            _err(c.get("/no/such/route"), 404, "no route")
+            envd = {"E2b-Sandbox-Id": sid}
+            _err(c.get("/files", headers=envd), 400, "path")
+            _err(c.get("/files", params={"path": "/nope"}, headers=envd), 404)
+            _err(c.get("/files", params={"path": "/x\0y"}, headers=envd), 400, "NUL")
+            _err(c.get("/files", params={"path": "/tmp"}, headers={"E2b-Sandbox-Id": "nope"}), 502)
+            # a declared oversize body is refused before a byte of it is read (raw socket: httpx won't lie)
+            port = int(server.url.rsplit(":", 1)[1])
+            with socket.create_connection(("127.0.0.1", port)) as raw:
+                raw.sendall(
+                    f"POST /files?path=/home/user/big HTTP/1.1\r\nHost: x\r\nE2b-Sandbox-Id: {sid}\r\n"
+                    f"Content-Type: application/octet-stream\r\nContent-Length: {101 << 20}\r\n\r\n".encode()
+                )
+                raw.settimeout(10)
+                head = b""
+                while not head.endswith(b"}") and (part := raw.recv(65536)):
+                    head += part
+                head = head.decode()
+            assert head.startswith("HTTP/1.1 413") and "limit" in head
+
+            def stream():  # no Content-Length: the cap is enforced while streaming
+                for _ in range(102):
+                    yield b"\0" * (1 << 20)
+
+            r = c.post(
+                "/files",
+                params={"path": "/home/user/big"},
+                headers={**envd, "Content-Type": "application/octet-stream"},
+                content=stream(),
+            )
+            _err(r, 413, "limit")
+            r = c.post("/files", headers={**envd, "Content-Type": "multipart/form-data"}, content=b"x")
+            _err(r, 400, "boundary")
+            r = c.post(
+                "/process.Process/Start",
+                headers={**envd, "Content-Type": "application/json"},
+                content=b'{"process": {"cmd": ""}}',
+            )
+            assert r.status_code >= 400
+            r = c.post("/process.Process/Start", headers={"Content-Type": "application/json"}, content=b"{}")
+            _err(r, 400, "E2b-Sandbox-Id")
+            # still healthy, still serving, nothing leaked
+            assert c.get("/health").status_code == 200
+            assert {s["sandboxID"] for s in c.get("/v2/sandboxes").json()} == before
+        assert asyncio.run(sbx.commands.run("echo alive")).stdout == "alive\n"
+        assert server.proc.poll() is None
+    finally:
+        asyncio.run(AsyncSandbox.kill(sid))
+
+
+def test_restart_keeps_paused_sandboxes_and_snapshots(tmp_path_factory, server_factory):
+    state = tmp_path_factory.mktemp("restart") / "state"
+    first = server_factory(state)
+    opts = {"api_url": first.url, "sandbox_url": first.url, "api_key": "t"}
+
+    async def before_restart():
+        a = await AsyncSandbox.create(**opts)
+        await a.files.write("/home/user/a.txt", "kept across restarts")
+        await a.commands.run(
+            "i=0; while true; do i=$((i+1)); echo $i > /tmp/c; sleep 0.05; done", background=True, timeout=0
+        )
+        await asyncio.sleep(0.5)
+        assert await a.pause()
+        b = await AsyncSandbox.create(**opts)
+        await b.files.write("/home/user/b.txt", "in the snapshot")
+        snap = await b.create_snapshot("before-restart")
+        await b.kill()
+        return a.sandbox_id, snap.snapshot_id
+
+    try:
+        sid, snap_id = asyncio.run(before_restart())
+        counter_at_pause = int(
+            (state / "disk" / "uppers" / first.rec(sid)["upper"] / "upper" / "tmp" / "c").read_text()
+        )
+    finally:
+        first.stop()
+    assert not first.sandbox_mounts()
+    second = server_factory(state)
+    opts = {"api_url": second.url, "sandbox_url": second.url, "api_key": "t"}
+
+    async def after_restart():
+        listed = {s.sandbox_id: s.state.value for s in await AsyncSandbox.list(**opts).next_items()}
+        assert listed.get(sid) == "paused"
+        a = await AsyncSandbox.connect(sid, **opts)
+        assert await a.files.read("/home/user/a.txt") == "kept across restarts"
+        c = int((await a.commands.run("cat /tmp/c")).stdout)
+        assert counter_at_pause <= c <= counter_at_pause + 10  # the loop continued from its own memory
+        b = await AsyncSandbox.create(snap_id, **opts)
+        assert await b.files.read("/home/user/b.txt") == "in the snapshot"
+
+    try:
+        asyncio.run(after_restart())
+        server_factory.kill_all(second)
+        with httpx.Client(base_url=second.url) as c:
+            c.delete(f"/templates/{snap_id}")
+    finally:
+        second.stop()
+    assert not second.sandbox_mounts()
+    assert "Application shutdown complete" in second.log.read_text()  # uvicorn re-raises SIGTERM: rc -15
+
+
+@pytest.mark.parametrize("template", ["python", "node"])
+def test_templates_are_built_once_and_work(server, template):
+    async def go():
+        sbx = await AsyncSandbox.create(template)
+        try:
+            if template == "python":
+                r = await sbx.commands.run("which python; python -c 'import pytest, sys; print(sys.prefix)'")
+                assert r.stdout.split() == ["/opt/venv/bin/python", "/opt/venv"]
+            else:
+                r = await sbx.commands.run(
+                    "mkdir app && cd app && npm init -y >/dev/null && "
+                    "npm install /opt/npm-src/rlk3-hello-1.0.0.tgz >/dev/null && "
+                    "node -e \"console.log(require('rlk3-hello')())\""
+                )
+                assert r.stdout.strip() == "hello from the offline cache"
+        finally:
+            await sbx.kill()
+        layers = sorted(
+            p.name for p in (server.state / "disk" / "layers").iterdir() if p.name.startswith("tpl-")
+        )
+        again = await AsyncSandbox.create(template)
+        await again.kill()
+        assert (
+            sorted(p.name for p in (server.state / "disk" / "layers").iterdir() if p.name.startswith("tpl-"))
+            == layers
+        )  # cached by content hash: no rebuild
+
+    asyncio.run(go())

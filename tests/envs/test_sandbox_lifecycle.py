@@ -1,0 +1,367 @@
+"""Issue 4, items 1 and 2: the sandbox lifecycle through the real e2b SDK against a server the tests start."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+from e2b import AsyncSandbox, CommandExitException, NotFoundException, TimeoutException
+
+from envs.sandbox.client import SandboxClient, SandboxSettings
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def counter(sbx: AsyncSandbox, path: str = "/tmp/counter") -> None:
+    # the count lives in the shell's memory; the file only shows it, so a fresh process would restart at 1
+    await sbx.commands.run(
+        f"i=0; while true; do i=$((i+1)); echo $i > {path}; sleep 0.05; done", background=True, timeout=0
+    )
+    for _ in range(100):
+        if (await sbx.commands.run(f"cat {path} 2>/dev/null || echo 0")).stdout.strip() not in ("", "0"):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("counter did not start")
+
+
+async def read_int(sbx: AsyncSandbox, path: str = "/tmp/counter") -> int:
+    return int((await sbx.commands.run(f"cat {path}")).stdout.strip())
+
+
+def test_commands_stdout_stderr_exit_codes_and_timeouts(server):
+    async def go():
+        sbx = await AsyncSandbox.create()
+        try:
+            r = await sbx.commands.run("echo out; echo err >&2; python3 -c 'print(6*7)'; id -un; pwd")
+            assert r.exit_code == 0
+            assert r.stdout == "out\n42\nuser\n/home/user\n"
+            assert r.stderr == "err\n"
+            r = await sbx.commands.run("id -u; echo $FOO", user="root", envs={"FOO": "bar"}, cwd="/tmp")
+            assert r.stdout == "0\nbar\n"
+            with pytest.raises(CommandExitException) as e:
+                await sbx.commands.run("echo partial; exit 3")
+            assert e.value.exit_code == 3 and e.value.stdout == "partial\n"
+            t = time.monotonic()
+            with pytest.raises(TimeoutException):
+                await sbx.commands.run("echo $$ > /tmp/sleeper; exec sleep 30", timeout=1)
+            assert time.monotonic() - t < 10
+            # the timed-out command was killed, not left running
+            for _ in range(50):
+                if (
+                    await sbx.commands.run(
+                        "kill -0 $(cat /tmp/sleeper) 2>/dev/null && echo alive || echo dead"
+                    )
+                ).stdout.strip() == "dead":
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("timed-out command still running")
+        finally:
+            await sbx.kill()
+
+    run(go())
+
+
+def test_background_processes_stdin_and_kill(server):
+    async def go():
+        sbx = await AsyncSandbox.create()
+        try:
+            h = await sbx.commands.run("cat", background=True, stdin=True, timeout=0)
+            await sbx.commands.send_stdin(h.pid, "through stdin\n")
+            await sbx.commands.close_stdin(h.pid)
+            res = await h.wait()
+            assert res.stdout == "through stdin\n"
+            bg = await sbx.commands.run("sleep 300", background=True, timeout=0)
+            listed = {p.pid for p in await sbx.commands.list()}
+            assert bg.pid in listed
+            assert await sbx.commands.kill(bg.pid)
+            for _ in range(50):
+                if bg.pid not in {p.pid for p in await sbx.commands.list()}:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("killed process still listed")
+        finally:
+            await sbx.kill()
+
+    run(go())
+
+
+def test_files_write_read_list_exists_remove(server):
+    async def go():
+        sbx = await AsyncSandbox.create()
+        try:
+            blob = os.urandom(3 << 20)
+            await sbx.files.write("/home/user/data/blob.bin", blob)
+            await sbx.files.write("notes.txt", "relative to home")
+            assert bytes(await sbx.files.read("/home/user/data/blob.bin", format="bytes")) == blob
+            assert await sbx.files.read("/home/user/notes.txt") == "relative to home"
+            assert await sbx.files.exists("/home/user/notes.txt")
+            assert not await sbx.files.exists("/home/user/missing.txt")
+            names = {e.name for e in await sbx.files.list("/home/user")}
+            assert {"data", "notes.txt"} <= names
+            info = await sbx.files.get_info("/home/user/data/blob.bin")
+            assert info.size == len(blob)
+            assert await sbx.files.make_dir("/home/user/new")
+            await sbx.files.rename("/home/user/notes.txt", "/home/user/new/moved.txt")
+            assert await sbx.files.read("/home/user/new/moved.txt") == "relative to home"
+            await sbx.files.remove("/home/user/data")
+            assert not await sbx.files.exists("/home/user/data/blob.bin")
+            with pytest.raises(NotFoundException):
+                await sbx.files.read("/home/user/data/blob.bin")
+            # what the files API wrote, a command sees, and the other way round
+            await sbx.commands.run("echo from-shell > /home/user/shell.txt")
+            assert await sbx.files.read("/home/user/shell.txt") == "from-shell\n"
+        finally:
+            await sbx.kill()
+
+    run(go())
+
+
+def test_memory_pause_frees_the_host_and_resume_continues_the_counter(server):
+    async def go():
+        sbx = await AsyncSandbox.create()
+        sid = sbx.sandbox_id
+        try:
+            await sbx.files.write("/home/user/keep.txt", "kept")
+            await counter(sbx)
+            agent = server.rec(sid)["agent_pid"]
+            assert os.path.exists(f"/proc/{agent}")
+            assert await sbx.pause()
+            upper = server.state / "disk" / "uppers" / server.rec(sid)["upper"] / "upper"
+            at_pause = int((upper / "tmp" / "counter").read_text())
+            # memory mode: the processes are gone from the host, the state is on disk
+            assert not os.path.exists(f"/proc/{agent}")
+            assert not server.cgroup_procs(sid)
+            rec = server.rec(sid)
+            assert rec["state"] == "paused" and rec["pause_kind"] == "memory"
+            assert (server.state / "disk" / "images" / rec["image"] / "pstree.img").exists()
+            assert not await sbx.pause()  # already paused: the SDK's False (HTTP 409)
+            assert (await sbx.get_info()).state.value == "paused"
+            time.sleep(0.5)
+            resumed = await AsyncSandbox.connect(sid)
+            after = await read_int(resumed)
+            # the shell loop continued from its own memory: not restarted at 1, not advanced while paused
+            assert at_pause <= after <= at_pause + 5, (at_pause, after)
+            await asyncio.sleep(0.3)
+            assert await read_int(resumed) > after
+            assert await resumed.files.read("/home/user/keep.txt") == "kept"
+        finally:
+            await AsyncSandbox.kill(sid)
+
+    run(go())
+
+
+def test_freeze_pause_uses_zero_cpu(server):
+    async def go():
+        sbx = await AsyncSandbox.create()
+        sid = sbx.sandbox_id
+        try:
+            await sbx.commands.run("python3 -c 'while True: pass'", background=True, timeout=0)
+            await asyncio.sleep(0.3)
+            busy0 = server.cpu_usec(sid)
+            await asyncio.sleep(0.5)
+            assert server.cpu_usec(sid) - busy0 > 100_000  # it was really spinning
+            assert await sbx.pause(api_headers={"X-Rlk3-Pause": "freeze"})
+            frozen0 = server.cpu_usec(sid)
+            await asyncio.sleep(1.0)
+            assert server.cpu_usec(sid) == frozen0  # 0 CPU over 1 s
+            assert server.cgroup_procs(sid)  # still resident: freeze keeps memory
+            resumed = await AsyncSandbox.connect(sid)
+            await asyncio.sleep(0.3)
+            assert server.cpu_usec(sid) > frozen0
+            assert (await resumed.commands.run("echo back")).stdout == "back\n"
+        finally:
+            await AsyncSandbox.kill(sid)
+
+    run(go())
+
+
+def test_filesystem_pause_reboots_with_files_kept(server):
+    async def go():
+        sbx = await AsyncSandbox.create()
+        sid = sbx.sandbox_id
+        try:
+            await sbx.files.write("/home/user/f.txt", "on disk")
+            await counter(sbx)
+            assert await sbx.pause(mode="filesystem")
+            assert server.rec(sid)["pause_kind"] == "filesystem"
+            resumed = await AsyncSandbox.connect(sid)
+            assert await resumed.files.read("/home/user/f.txt") == "on disk"
+            assert not await resumed.commands.list()  # processes did not survive: a cold boot
+        finally:
+            await AsyncSandbox.kill(sid)
+
+    run(go())
+
+
+def test_snapshot_and_start_from_snapshot(server):
+    async def go():
+        sbx = await AsyncSandbox.create()
+        sid = sbx.sandbox_id
+        try:
+            await sbx.files.write("/home/user/state.txt", "v1")
+            await counter(sbx)
+            snap = await sbx.create_snapshot("my-snap")
+            at_snap = await read_int(sbx)
+            # the source keeps running and changes afterwards
+            await sbx.files.write("/home/user/state.txt", "v2")
+            await asyncio.sleep(0.3)
+            assert await read_int(sbx) > at_snap - 3
+            listed = [s.snapshot_id async for s in _iter(AsyncSandbox.list_snapshots(sandbox_id=sid))]
+            assert snap.snapshot_id in listed
+            child = await AsyncSandbox.create(snap.snapshot_id)
+            try:
+                assert await child.files.read("/home/user/state.txt") == "v1"
+                c = await read_int(child)
+                assert c < at_snap + 10  # its counter continues from the snapshot's memory, not from 1
+                assert c >= at_snap - 3
+                assert await sbx.files.read("/home/user/state.txt") == "v2"
+            finally:
+                await child.kill()
+            assert await AsyncSandbox.delete_snapshot(snap.snapshot_id)
+            assert not await AsyncSandbox.delete_snapshot(snap.snapshot_id)
+        finally:
+            await AsyncSandbox.kill(sid)
+
+    run(go())
+
+
+async def _iter(paginator):
+    while paginator.has_next:
+        for item in await paginator.next_items():
+            yield item
+
+
+def test_fork_eight_children_diverge_and_parent_unchanged(server):
+    async def go():
+        parent = await AsyncSandbox.create()
+        pid_ = parent.sandbox_id
+        kids: list[AsyncSandbox] = []
+        try:
+            await parent.files.write("/home/user/shared.txt", "from parent")
+            await counter(parent)
+            at_fork = await read_int(parent)
+            results = await parent.fork(count=8)
+            kids = [k for k in results if isinstance(k, AsyncSandbox)]
+            assert len(kids) == 8, results
+            assert len({k.sandbox_id for k in kids} | {pid_}) == 9
+
+            async def check(i: int, k: AsyncSandbox):
+                assert await k.files.read("/home/user/shared.txt") == "from parent"
+                c = await read_int(k)
+                assert at_fork - 3 <= c <= at_fork + 40, (i, at_fork, c)  # the running loop came along
+                await k.files.write("/home/user/mine.txt", f"child {i}")
+
+            await asyncio.gather(*(check(i, k) for i, k in enumerate(kids)))
+            for i, k in enumerate(kids):  # each child sees only its own write
+                assert await k.files.read("/home/user/mine.txt") == f"child {i}"
+            assert not await parent.files.exists("/home/user/mine.txt")
+            assert await parent.files.read("/home/user/shared.txt") == "from parent"
+            p1 = await read_int(parent)
+            await asyncio.sleep(0.3)
+            assert await read_int(parent) > p1  # the parent still runs its own counter
+            await kids[0].kill()
+            assert await kids[1].files.read("/home/user/mine.txt") == "child 1"
+        finally:
+            for k in kids:
+                await AsyncSandbox.kill(k.sandbox_id)
+            await AsyncSandbox.kill(pid_)
+
+    run(go())
+
+
+def test_kill_leaves_no_process_mount_or_cgroup(server):
+    async def go():
+        sbx = await AsyncSandbox.create()
+        sid = sbx.sandbox_id
+        await sbx.commands.run(
+            "sleep 1000 & setsid sleep 1001 & nohup sleep 1002 >/dev/null 2>&1 &", timeout=5
+        )
+        pids = server.cgroup_procs(sid)
+        assert len(pids) >= 4
+        upper = server.state / "disk" / "uppers" / server.rec(sid)["upper"]
+        assert upper.exists()
+        assert await sbx.kill()
+        assert not await AsyncSandbox.kill(sid)  # a second kill: not found
+        for p in pids:
+            assert not os.path.exists(f"/proc/{p}"), p
+        assert not any(leaf.exists() for leaf in server.leaves(sid))
+        assert not upper.exists()
+        assert not server.sandbox_mounts()
+
+    run(go())
+
+
+def test_list_info_metadata_timeout_and_metrics(server):
+    async def go():
+        a = await AsyncSandbox.create(metadata={"job": "t1"}, timeout=120)
+        b = await AsyncSandbox.create(metadata={"job": "t2"})
+        try:
+            info = await a.get_info()
+            assert info.metadata == {"job": "t1"} and info.template_id == "base"
+            ids = [s.sandbox_id async for s in _iter(AsyncSandbox.list(limit=1))]
+            assert {a.sandbox_id, b.sandbox_id} <= set(ids)  # paged one at a time via x-next-token
+            from e2b import SandboxQuery
+
+            only = [
+                s.sandbox_id
+                async for s in _iter(AsyncSandbox.list(query=SandboxQuery(metadata={"job": "t2"})))
+            ]
+            assert only == [b.sandbox_id]
+            await a.set_timeout(600)
+            assert (await a.get_info()).end_at.timestamp() > time.time() + 500
+            await a.commands.run("python3 -c 'x = bytearray(50 << 20); import time; time.sleep(2)' &")
+            await asyncio.sleep(0.5)
+            m = await a.get_metrics()
+            assert m and m[-1].mem_used > 40 << 20 and m[-1].mem_total == 512 << 20
+        finally:
+            await a.kill()
+            await b.kill()
+
+    run(go())
+
+
+def test_timeout_kills_or_auto_pauses(server):
+    async def go():
+        short = await AsyncSandbox.create(timeout=1)
+        paused = await AsyncSandbox.create(timeout=1, lifecycle={"on_timeout": "pause"})
+        await asyncio.sleep(3)
+        assert short.sandbox_id not in {s.sandbox_id async for s in _iter(AsyncSandbox.list())}
+        info = await paused.get_info()
+        assert info.state.value == "paused"
+        back = await AsyncSandbox.connect(paused.sandbox_id, timeout=60)
+        assert (await back.commands.run("echo ok")).stdout == "ok\n"
+        await back.kill()
+
+    run(go())
+
+
+def test_rlk3_client_contract(server):
+    async def go():
+        c = SandboxClient(SandboxSettings.local(server.url))
+        sid = await c.create("base")
+        try:
+            r = await c.exec(sid, "echo hi; exit 4")
+            assert (r.exit_code, r.stdout) == (4, "hi\n")
+            await c.write(sid, "/home/user/x", b"abc")
+            assert await c.read(sid, "/home/user/x") == b"abc"
+            assert "x" in await c.list(sid, "/home/user")
+            assert await c.pause(sid)
+            await c.resume(sid)
+            snap = await c.snapshot(sid)
+            kids = await c.fork(sid, 2)
+            assert [await c.read(k, "/home/user/x") for k in kids] == [b"abc", b"abc"]
+            for k in kids:
+                assert await c.kill(k)
+            child = await c.create(snap)
+            assert await c.read(child, "/home/user/x") == b"abc"
+            await c.kill(child)
+        finally:
+            await c.kill(sid)
+
+    run(go())
