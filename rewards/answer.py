@@ -318,9 +318,7 @@ class AnswerGrader:
         if not isinstance(ans, str) or not ans.strip():
             raise GraderConfigError("grader 'answer': task needs a non-empty string field 'answer'")
         if getattr(task, "kind", "auto") not in ("auto", "numeric", "symbolic", "text"):
-            raise GraderConfigError(
-                f"grader 'answer': kind {task.kind!r} is not one of auto, numeric, symbolic, text"
-            )
+            raise GraderConfigError(f"grader 'answer': kind {task.kind!r} is not one of auto, numeric, symbolic, text")
 
     def grade(self, task: AnswerTask, trajectory: TrajectoryLike) -> Grade:
         text = final_assistant_text(trajectory, MAX_TEXT)

@@ -41,8 +41,7 @@ def get_grader(name: str, **kwargs: Any) -> Grader:
     the list of valid ones."""
     if not isinstance(name, str) or not name:
         raise GraderConfigError(
-            f"grader name must be a non-empty string, got {name!r}; valid graders: "
-            f"{', '.join(grader_names())}"
+            f"grader name must be a non-empty string, got {name!r}; valid graders: {', '.join(grader_names())}"
         )
     if name in BUILTIN:
         cls = load_dotted(BUILTIN[name])

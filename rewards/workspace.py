@@ -29,7 +29,7 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -66,7 +66,10 @@ class FileEntry:
 
 
 class Workspace(Protocol):
-    """A sandboxed file tree plus command execution. Paths are relative to the workspace root."""
+    """A sandboxed file tree plus command execution. Paths are relative to the workspace root;
+    `sandbox_root` is where that root is seen from inside the sandbox (for paths given to commands)."""
+
+    sandbox_root: str
 
     def write_file(self, path: str, data: bytes | str) -> None: ...
 
@@ -263,6 +266,8 @@ def bwrap_available() -> bool:
 
 class BwrapWorkspace:
     """A workspace directory on the host, executed in through bubblewrap."""
+
+    sandbox_root = WORKDIR
 
     def __init__(self, root: str | Path, *, owned: bool = False):
         self.root = Path(root).resolve()
@@ -503,7 +508,15 @@ class E2BConfig:
     api_key: str = "e2b_local"
     workdir: str = "/home/user/workspace"
     request_timeout_s: float = 60.0
-    extra: dict[str, str] = field(default_factory=dict)
+    user: str = "user"  # untrusted commands run as this sandbox user; grader assets are written as root
+
+    def sdk_opts(self) -> dict:
+        return {
+            "api_key": self.api_key,
+            "api_url": self.api_url,
+            "sandbox_url": self.sandbox_url,
+            "request_timeout": self.request_timeout_s,
+        }
 
 
 class E2BWorkspace:
@@ -514,18 +527,19 @@ class E2BWorkspace:
         self.sbx = sandbox
         self.cfg = config
         self._owned = owned
+        self.sandbox_root = config.workdir
 
     @classmethod
     def connect(cls, sandbox_id: str, config: E2BConfig | None = None) -> E2BWorkspace:
         from e2b import Sandbox  # the SDK is only needed when this backend is used
 
         cfg = config or E2BConfig()
-        sbx = Sandbox.connect(
-            sandbox_id, api_key=cfg.api_key, api_url=cfg.api_url, sandbox_url=cfg.sandbox_url
-        )
+        sbx = Sandbox.connect(sandbox_id, **cfg.sdk_opts())
         return cls(sbx, cfg)
 
     def _abs(self, path: str) -> str:
+        if path.startswith(self.cfg.workdir + "/"):
+            path = path[len(self.cfg.workdir) + 1 :]
         rel = _safe_rel(path)
         return f"{self.cfg.workdir}/{rel}" if rel else self.cfg.workdir
 
@@ -541,7 +555,7 @@ class E2BWorkspace:
         out = []
         for e in self.sbx.files.list(self._abs(path), depth=64):
             kind = {"file": "file", "dir": "dir"}.get(str(getattr(e.type, "value", e.type)), "other")
-            if getattr(e, "symlink_target", None):
+            if getattr(e, "symlink_target", None) or getattr(e, "is_symlink", False):
                 kind = "symlink"
             out.append(FileEntry(e.path.removeprefix(root), kind, int(getattr(e, "size", 0) or 0)))
         return sorted(out, key=lambda x: x.path)
@@ -550,22 +564,28 @@ class E2BWorkspace:
         self.sbx.files.remove(self._abs(path))
 
     def mount_readonly(self, host_path: str | Path, sandbox_path: str) -> None:
-        # no bind mounts across machines: upload the tree, then make it read-only
+        # no bind mounts across machines: upload the tree as the sandbox's root, then make it read-only
+        # for everyone else (untrusted commands run as `cfg.user`)
         host = Path(host_path)
         files = [host] if host.is_file() else [p for p in host.rglob("*") if p.is_file()]
         for f in files:
             rel = "" if f == host else f.relative_to(host).as_posix()
-            self.sbx.files.write(f"{sandbox_path}/{rel}".rstrip("/"), f.read_bytes())
-        self.sbx.commands.run(f"chmod -R a-w {_shq(sandbox_path)}", timeout=60)
+            self.sbx.files.write(f"{sandbox_path}/{rel}".rstrip("/"), f.read_bytes(), user="root")
+        self.sbx.commands.run(
+            f"chown -R root:root {_shq(sandbox_path)} && chmod -R a+rX,go-w {_shq(sandbox_path)}",
+            user="root",
+            timeout=60,
+        )
 
     def exec(self, argv, *, stdin=None, limits=None, env=None, cwd=WORKDIR) -> ExecResult:
         lim = limits or Limits()
-        cwd_abs = self._abs(cwd) if cwd.startswith(WORKDIR) else cwd
+        cwd_abs = self._abs(cwd) if cwd.startswith((WORKDIR, self.cfg.workdir)) else cwd
         redirect = ""
         if stdin is not None:
             tmp = f"/tmp/.stdin-{uuid.uuid4().hex}"
             self.sbx.files.write(tmp, stdin)
             redirect = f" < {tmp}"
+            self.sbx.commands.run(f"chmod a+r {tmp}", user=self.cfg.user, timeout=30)
         kb = lim.memory_mb * 1024
         script = (
             f"cd {_shq(cwd_abs)} && ulimit -v {kb * 4} -u {lim.pids} -n {lim.nofile} -c 0 && "
@@ -573,7 +593,7 @@ class E2BWorkspace:
         )
         t0 = time.monotonic()
         try:
-            r = self.sbx.commands.run(script, envs=env or {}, timeout=lim.timeout_s + 10)
+            r = self.sbx.commands.run(script, envs=env or {}, user=self.cfg.user, timeout=lim.timeout_s + 10)
             code, out, err = r.exit_code, r.stdout, r.stderr
         except Exception as e:  # CommandExitException carries the result of a non-zero exit
             code = getattr(e, "exit_code", -1)
@@ -591,9 +611,10 @@ class E2BWorkspace:
         )
 
     def fork(self) -> E2BWorkspace:
-        forks = self.sbx.fork()  # the server's fork: children boot from the parent's snapshot
-        child = forks[0] if isinstance(forks, list | tuple) else forks
-        child = getattr(child, "sandbox", child)
+        # the server's fork: the parent is checkpointed in place and the child boots from that snapshot
+        (child,) = self.sbx.fork(count=1, **self.cfg.sdk_opts())
+        if isinstance(child, Exception):
+            raise child
         return E2BWorkspace(child, self.cfg, owned=True)
 
     def close(self) -> None:

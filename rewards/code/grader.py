@@ -32,7 +32,7 @@ from typing import Any
 
 from rewards.base import Grade, GraderConfigError, TrajectoryLike
 from rewards.code.runner import encode
-from rewards.workspace import WORKDIR, Limits, LocalSandboxes, SandboxProvider, Workspace
+from rewards.workspace import Limits, LocalSandboxes, SandboxProvider, Workspace
 
 RUNNER = Path(__file__).with_name("runner.py")
 INJECTION_NAMES = {"conftest.py", "pytest.ini", "sitecustomize.py", "usercustomize.py", "__main__.py"}
@@ -139,7 +139,7 @@ class CodeGrader:
             Path(gdir, "hidden_tests.json").write_text(json.dumps(decoy))
             ws.mount_readonly(gdir, "/grader")
             cfg = {
-                "judge_dir": f"{WORKDIR}/{judge_dir}",
+                "judge_dir": f"{ws.sandbox_root}/{judge_dir}",
                 "module": task.module,
                 "timeout_s": task.timeout_s,
                 "passes": task.passes,
@@ -152,9 +152,7 @@ class CodeGrader:
                 pids=64,
                 max_output_bytes=8 << 20,
             )
-            res = ws.exec(
-                ["python3", "-I", "-S", "/grader/runner.py"], stdin=json.dumps(cfg).encode(), limits=limits
-            )
+            res = ws.exec(["python3", "-I", "-S", "/grader/runner.py"], stdin=json.dumps(cfg).encode(), limits=limits)
         details["runner_wall_s"] = round(res.wall_s, 3)
         results, stream_reasons = self._parse_stream(res, cases, task.passes)
         reasons += stream_reasons
@@ -227,9 +225,7 @@ class CodeGrader:
         if end is None:
             how = "timed out" if res.timed_out else f"exit {res.exit_code}"
             oom = ", out of memory" if res.oom_killed else ""
-            reasons.append(
-                f"runner_killed: result stream ended after {len(results)}/{want} cases ({how}{oom})"
-            )
+            reasons.append(f"runner_killed: result stream ended after {len(results)}/{want} cases ({how}{oom})")
         elif end.get("count") != want or len(results) != want:
             reasons.append(f"runner_protocol: {len(results)} results, count {end.get('count')}, want {want}")
         return results, reasons
@@ -262,9 +258,7 @@ class CodeGrader:
                         reasons.append(f"call_count_dependent: case {c.id} changed on a repeated call")
                     ok = _values_equal(got, want, task.float_rel_tol)
                 elif st == "skipped":
-                    reasons.append(
-                        f"skip_attempt: case {c.id}: {r.get('error', '')} (skips count as failures)"
-                    )
+                    reasons.append(f"skip_attempt: case {c.id}: {r.get('error', '')} (skips count as failures)")
                 elif st in ("exit", "no_result"):
                     reasons.append(
                         f"early_exit: case {c.id} ended the process without a result "
@@ -273,9 +267,7 @@ class CodeGrader:
                 elif st == "collection_error":
                     reasons.append(f"collection_error: {r.get('error', '')}")
                 elif st == "untrusted_type":
-                    reasons.append(
-                        f"untrusted_type: case {c.id} returned {r.get('error')} (strict typed comparison)"
-                    )
+                    reasons.append(f"untrusted_type: case {c.id} returned {r.get('error')} (strict typed comparison)")
                 elif st == "too_large":
                     reasons.append(f"output_too_large: case {c.id} returned {r.get('bytes')} bytes")
                 elif st == "not_run":
@@ -299,9 +291,7 @@ class CodeGrader:
                 "cases fail (hard-coded examples?)"
             )
         elif failed_visible or failed_hidden:
-            reasons.append(
-                f"wrong_answer: {len(set(failed_visible) | set(failed_hidden))}/{n_cases} cases fail"
-            )
+            reasons.append(f"wrong_answer: {len(set(failed_visible) | set(failed_hidden))}/{n_cases} cases fail")
         return reasons
 
 

@@ -224,9 +224,7 @@ def run_group(group, cfg):
     _, status = os.waitpid(pid, 0)
     if len(results) < len(group):
         missing = (
-            {"status": "timeout"}
-            if timed_out
-            else {"status": "no_result", "exit": os.waitstatus_to_exitcode(status)}
+            {"status": "timeout"} if timed_out else {"status": "no_result", "exit": os.waitstatus_to_exitcode(status)}
         )
         results.append(missing)
         results += [{"status": "not_run"} for _ in range(len(group) - len(results))]

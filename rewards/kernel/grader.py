@@ -26,7 +26,7 @@ from typing import Any
 from rewards.base import Grade, GraderConfigError, TrajectoryLike
 from rewards.code.grader import INJECTION_NAMES, sha256
 from rewards.kernel.static import static_findings
-from rewards.workspace import WORKDIR, Limits, LocalSandboxes, SandboxProvider, Workspace
+from rewards.workspace import Limits, LocalSandboxes, SandboxProvider, Workspace
 
 HERE = Path(__file__).parent
 PRISTINE = ("judge.py", "worker.py", "tasks.py")
@@ -126,7 +126,7 @@ class KernelGrader:
             ws.write_file(f"{judge_dir}/{path}", ws.read_file(path))
         cfg = {
             "task": task.task,
-            "solution_dir": f"{WORKDIR}/{judge_dir}",
+            "solution_dir": f"{ws.sandbox_root}/{judge_dir}",
             "python": self.python,
             "device": task.device,
             "n_timed": task.n_timed,
@@ -141,18 +141,14 @@ class KernelGrader:
             res = ws.exec(
                 [self.python, "-I", "/grader/judge.py"],
                 stdin=json.dumps(cfg).encode(),
-                limits=Limits(
-                    timeout_s=300 + calls * task.call_timeout_s * 2, memory_mb=task.memory_mb, pids=128
-                ),
+                limits=Limits(timeout_s=300 + calls * task.call_timeout_s * 2, memory_mb=task.memory_mb, pids=128),
             )
         try:
             report = json.loads(res.stdout.decode().strip().splitlines()[-1])
         except (ValueError, IndexError):
             how = "timed out" if res.timed_out else f"exit {res.exit_code}"
             tail = res.stderr.decode("utf-8", "replace")[-300:]
-            return Grade.fail(
-                f"runner_died: judge produced no report ({how}): {tail}", judge_wall_s=res.wall_s
-            )
+            return Grade.fail(f"runner_died: judge produced no report ({how}): {tail}", judge_wall_s=res.wall_s)
         return self._score(task, spec, report, details)
 
     @staticmethod
@@ -183,9 +179,7 @@ class KernelGrader:
                 **details,
             )
         if speedup > task.max_speedup:
-            return Grade.fail(
-                f"impossible_speedup: {speedup:.1f}x the expert (limit {task.max_speedup}x)", **details
-            )
+            return Grade.fail(f"impossible_speedup: {speedup:.1f}x the expert (limit {task.max_speedup}x)", **details)
         return Grade(speedup, True, [], details)
 
 

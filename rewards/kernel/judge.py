@@ -253,8 +253,7 @@ class Session:
                         viol.append(
                             [
                                 "cached_output",
-                                "returned the result of an earlier call "
-                                "(caching across calls / graph replay)",
+                                "returned the result of an earlier call (caching across calls / graph replay)",
                             ]
                         )
                         break
@@ -271,9 +270,7 @@ class Session:
                 break
         n_threads = len(thread_ids(w.proc.pid))
         if n_threads > self.base_threads:
-            viol.append(
-                ["thread_injection", f"{n_threads} threads after the call, {self.base_threads} before"]
-            )
+            viol.append(["thread_injection", f"{n_threads} threads after the call, {self.base_threads} before"])
         if child_pids(w.proc.pid):
             viol.append(["process_injection", "the implementation started child processes"])
         if meta.get("torch_threads", 1) != 1:
@@ -322,9 +319,7 @@ def run_all(cfg, workers, task, shm, seed):
                     continue
                 ins, scalars, _ = s.first
             else:
-                ins, scalars = task["inputs"](
-                    gen, rng.choice(dists) if dist == "same_address" else dist, shape, "cpu"
-                )
+                ins, scalars = task["inputs"](gen, rng.choice(dists) if dist == "same_address" else dist, shape, "cpu")
             ref = task["reference"](*ins, **scalars)
             s.guard(s.call, ins, scalars, ref, timed, dist)
     # one profiled call each: forbidden library ops show up as aten ops even when reached indirectly

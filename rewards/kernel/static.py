@@ -81,9 +81,7 @@ def static_findings(source: str, forbidden_names: list[str], filename: str = "so
                 add("precision_reduction", f"{line} uses {node.attr}")
             if node.attr in SUBCLASS_HOOKS:
                 add("tensor_subclass", f"{line} uses {node.attr}")
-            if node.attr in ("fork", "forkpty", "system", "popen", "spawnv") and _dotted(node).startswith(
-                "os"
-            ):
+            if node.attr in ("fork", "forkpty", "system", "popen", "spawnv") and _dotted(node).startswith("os"):
                 add("process_injection", f"{line} calls {_dotted(node)}")
             if node.attr in ("set_num_threads", "set_num_interop_threads"):
                 add("thread_injection", f"{line} calls {node.attr}")
@@ -113,10 +111,6 @@ def static_findings(source: str, forbidden_names: list[str], filename: str = "so
                 add("timer_patch", f"{line} setattr on {_dotted(node.args[0])}")
         elif isinstance(node, ast.Call) and _dotted(node.func) in ("torch.compile",):
             for kw in node.keywords:
-                if (
-                    kw.arg == "mode"
-                    and isinstance(kw.value, ast.Constant)
-                    and "reduce-overhead" in str(kw.value.value)
-                ):
+                if kw.arg == "mode" and isinstance(kw.value, ast.Constant) and "reduce-overhead" in str(kw.value.value):
                     add("cuda_graph", f"{line} torch.compile(mode='reduce-overhead') replays CUDA graphs")
     return found

@@ -131,9 +131,7 @@ def main():
                 if on_cuda:
                     meta["event_ms"] = start.elapsed_time(end)
                 meta["torch_threads"] = torch.get_num_threads()
-                meta["tampered"] = sorted(
-                    k for k, (m, a) in watch.items() if getattr(m, a, None) is not before[k]
-                )
+                meta["tampered"] = sorted(k for k, (m, a) in watch.items() if getattr(m, a, None) is not before[k])
                 send({"done": True, "meta": meta})
             elif op == "copy_out":  # CUDA: the judge cannot read device memory, so copy to the shm slot
                 dst = shm[msg["offset"] : msg["offset"] + msg["nbytes"]]

@@ -129,9 +129,7 @@ class Page:
         self.origin = origin
 
     def js(self, expr):
-        res = self.cdp.call(
-            "Runtime.evaluate", {"expression": expr, "returnByValue": True, "awaitPromise": True}
-        )
+        res = self.cdp.call("Runtime.evaluate", {"expression": expr, "returnByValue": True, "awaitPromise": True})
         if "exceptionDetails" in res:
             raise StepFailed(f"page script error while checking: {res['exceptionDetails'].get('text')}")
         return res.get("result", {}).get("value")
@@ -315,9 +313,7 @@ def main():
             m, p = e.get("method"), e.get("params", {})
             if m == "Runtime.exceptionThrown":
                 d = p.get("exceptionDetails", {})
-                result["page_errors"].append(
-                    (d.get("exception", {}).get("description") or d.get("text", ""))[:300]
-                )
+                result["page_errors"].append((d.get("exception", {}).get("description") or d.get("text", ""))[:300])
             elif m == "Runtime.consoleAPICalled" and p.get("type") in ("error", "assert"):
                 args = " ".join(str(a.get("value", a.get("description", ""))) for a in p.get("args", []))
                 result["console_errors"].append(args[:300])

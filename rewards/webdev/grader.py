@@ -29,7 +29,7 @@ from typing import Any
 
 from rewards.base import Grade, GraderConfigError, TrajectoryLike
 from rewards.code.grader import sha256
-from rewards.workspace import WORKDIR, Limits, LocalSandboxes, SandboxProvider, Workspace
+from rewards.workspace import Limits, LocalSandboxes, SandboxProvider, Workspace
 
 HERE = Path(__file__).parent
 TEMPLATE = HERE / "template"
@@ -104,10 +104,7 @@ class WebdevGrader:
             "template package-lock.json": TEMPLATE / "package-lock.json",
             "template vite.config.js": TEMPLATE / "vite.config.js",
             "e2e driver": HERE / "e2e.py",
-            "offline node_modules (scripts/setup.d/graders.sh)": self.node_modules
-            / "vite"
-            / "bin"
-            / "vite.js",
+            "offline node_modules (scripts/setup.d/graders.sh)": self.node_modules / "vite" / "bin" / "vite.js",
             "chromium": Path(self.chromium),
             "node": Path(self.node),
         }
@@ -121,9 +118,7 @@ class WebdevGrader:
             raise GraderConfigError(f"grader 'webdev': task must be a WebdevTask, got {type(task).__name__}")
         specs = ["todo"]
         if task.spec not in specs:
-            raise GraderConfigError(
-                f"grader 'webdev': unknown spec {task.spec!r}; valid specs: {', '.join(specs)}"
-            )
+            raise GraderConfigError(f"grader 'webdev': unknown spec {task.spec!r}; valid specs: {', '.join(specs)}")
 
     def grade(self, task: WebdevTask, trajectory: TrajectoryLike) -> Grade:
         missing = self.missing_assets()
@@ -158,20 +153,12 @@ class WebdevGrader:
                 if pkg.get("scripts") != tpl["scripts"]:
                     changed = sorted(
                         set(pkg.get("scripts") or {}) ^ set(tpl["scripts"])
-                        | {
-                            k
-                            for k in tpl["scripts"]
-                            if (pkg.get("scripts") or {}).get(k) != tpl["scripts"][k]
-                        }
+                        | {k for k in tpl["scripts"] if (pkg.get("scripts") or {}).get(k) != tpl["scripts"][k]}
                     )
-                    reasons.append(
-                        f"build_script_modified: scripts differ from the template ({', '.join(changed)})"
-                    )
+                    reasons.append(f"build_script_modified: scripts differ from the template ({', '.join(changed)})")
                 for key in ("dependencies", "devDependencies", "optionalDependencies", "overrides"):
                     if (pkg.get(key) or {}) != (tpl.get(key) or {}):
-                        reasons.append(
-                            f"dependencies_modified: {key} differ from the template (offline build)"
-                        )
+                        reasons.append(f"dependencies_modified: {key} differ from the template (offline build)")
         for e in entries:
             name = e.path.rsplit("/", 1)[-1]
             if e.kind == "symlink":
@@ -193,9 +180,7 @@ class WebdevGrader:
             and Path(e.path).suffix.lower() in SOURCE_EXT
             and "node_modules/" not in e.path
         ]
-        shipped_build = sorted(
-            {e.path.split("/")[0] for e in entries if e.path.split("/")[0] in ("dist", "build")}
-        )
+        shipped_build = sorted({e.path.split("/")[0] for e in entries if e.path.split("/")[0] in ("dist", "build")})
         details: dict[str, Any] = {
             "sources": [e.path for e in sources][:50],
             "shipped_build_output": shipped_build,
@@ -210,10 +195,10 @@ class WebdevGrader:
             ws.write_file(f"{bdir}/{name}", (TEMPLATE / name).read_bytes())
         for e in sources:
             ws.write_file(f"{bdir}/{e.path}", ws.read_file(e.path, max_bytes=MAX_SOURCE_BYTES))
-        ws.mount_readonly(self.node_modules, f"{WORKDIR}/{bdir}/node_modules")
+        ws.mount_readonly(self.node_modules, f"{ws.sandbox_root}/{bdir}/node_modules")
         build = ws.exec(
             [self.node, "node_modules/vite/bin/vite.js", "build", "--config", "vite.config.js"],
-            cwd=f"{WORKDIR}/{bdir}",
+            cwd=f"{ws.sandbox_root}/{bdir}",
             limits=Limits(timeout_s=task.build_timeout_s, memory_mb=task.memory_mb, pids=256),
             env={"NODE_ENV": "production", "CI": "1"},
         )
@@ -235,7 +220,7 @@ class WebdevGrader:
             Path(gdir, "e2e.py").write_bytes((HERE / "e2e.py").read_bytes())
             ws.mount_readonly(gdir, "/grader")
             run = ws.exec(
-                ["python3", "-I", "/grader/e2e.py", f"{WORKDIR}/{bdir}/dist", task.spec],
+                ["python3", "-I", "/grader/e2e.py", f"{ws.sandbox_root}/{bdir}/dist", task.spec],
                 limits=Limits(timeout_s=task.e2e_timeout_s, memory_mb=task.memory_mb, pids=512),
             )
         details["e2e_s"] = round(run.wall_s, 3)
@@ -281,7 +266,5 @@ class WebdevGrader:
                 if s in src_files:
                     mapped.add(s)
         if not mapped:
-            return [
-                "not_built_from_source: the bundle's source map names none of the submission's src/ files"
-            ]
+            return ["not_built_from_source: the bundle's source map names none of the submission's src/ files"]
         return []
