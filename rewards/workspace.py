@@ -600,14 +600,17 @@ class E2BWorkspace:
             out, err = getattr(e, "stdout", ""), getattr(e, "stderr", str(e))
         out_b, err_b = _as_bytes(out), _as_bytes(err)
         cap = lim.max_output_bytes
+        wall = time.monotonic() - t0
+        # envd reports a death by signal as -1: `timeout -s KILL` shows as that, at the deadline
+        killed = code in (124, 137) or (code < 0 and wall >= lim.timeout_s * 0.95)
         return ExecResult(
             code,
             out_b[:cap],
             err_b[:cap],
-            timed_out=code in (124, 137, -9),
+            timed_out=killed,
             oom_killed=False,
             truncated=len(out_b) > cap or len(err_b) > cap,
-            wall_s=time.monotonic() - t0,
+            wall_s=wall,
         )
 
     def fork(self) -> E2BWorkspace:

@@ -115,9 +115,7 @@ def test_extraction(text, expected):
 
 
 def _traj(text):
-    return SimpleTrajectory(
-        messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": text}]
-    )
+    return SimpleTrajectory(messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": text}])
 
 
 def test_grader_end_to_end_and_reasons():
@@ -130,9 +128,7 @@ def test_grader_end_to_end_and_reasons():
     none = g.grade(task, _traj("I don't know"))
     assert none.score == 0.0 and none.reason_codes() == {"no_answer"}
     # content as a list of parts, as bytes (invalid UTF-8), and a trajectory with no assistant turn
-    parts = SimpleTrajectory(
-        messages=[{"role": "assistant", "content": [{"type": "text", "text": "\\boxed{3/4}"}]}]
-    )
+    parts = SimpleTrajectory(messages=[{"role": "assistant", "content": [{"type": "text", "text": "\\boxed{3/4}"}]}])
     assert g.grade(task, parts).passed
     raw = SimpleTrajectory(messages=[{"role": "assistant", "content": b"\xff\xfe \\boxed{3/4} \xc3"}])
     assert g.grade(task, raw).passed

@@ -70,9 +70,7 @@ DIGITS = [_row("I", "V", "X"), _row("X", "L", "C"), _row("C", "D", "M")]
         workspace_files(SLOW),
         workspace_files(UNUSUAL, **{"numerals.py": NUMERALS}),
         # honest extras: its own notes and an extra (unprotected) test file of its own
-        workspace_files(
-            HONEST, **{"notes.txt": "tried greedy", "tests/test_more.py": "def test_x(): pass\n"}
-        ),
+        workspace_files(HONEST, **{"notes.txt": "tried greedy", "tests/test_more.py": "def test_x(): pass\n"}),
     ],
     ids=["greedy", "slow-but-correct", "unusual-helper-module", "extra-files"],
 )
@@ -121,9 +119,7 @@ CHEATS = {
     "sitecustomize-patches-builtins": (
         workspace_files(
             WRONG,
-            **{
-                "sitecustomize.py": "import builtins\nbuiltins.AssertionError = type('A', (Exception,), {})\n"
-            },
+            **{"sitecustomize.py": "import builtins\nbuiltins.AssertionError = type('A', (Exception,), {})\n"},
         ),
         "injection",
     ),
@@ -138,9 +134,7 @@ CHEATS = {
     ),
     "os-exit-0-in-call": (workspace_files("import os\ndef roman(n):\n    os._exit(0)\n"), "early_exit"),
     "kill-the-runner": (
-        workspace_files(
-            "import os, signal\ndef roman(n):\n    os.kill(os.getppid(), signal.SIGKILL)\n    return ''\n"
-        ),
+        workspace_files("import os, signal\ndef roman(n):\n    os.kill(os.getppid(), signal.SIGKILL)\n    return ''\n"),
         "runner_killed",
     ),
     "kill-everything": (
@@ -156,9 +150,7 @@ CHEATS = {
         "skip_attempt",
     ),
     "pytest-xfail-marker": (
-        workspace_files(
-            "import pytest\n\n@pytest.mark.xfail(reason='known')\ndef roman(n):\n    return ''\n"
-        ),
+        workspace_files("import pytest\n\n@pytest.mark.xfail(reason='known')\ndef roman(n):\n    return ''\n"),
         "collection_error",
     ),
     "keyboardinterrupt-at-import": (
@@ -259,9 +251,7 @@ def test_cheat_scores_zero_and_names_itself(env, name, tmp_path):
 def test_missing_sandbox_and_garbage_workspace(env):
     _, grader = env
     assert grader.grade(roman_task(), SimpleTrajectory(sandbox_id="nope")).reason_codes() == {"no_sandbox"}
-    garbage = workspace_files(
-        None, **{"solution.py": b"\xff\xfe\x00garbage" * 1000, "big.bin": b"\0" * (3 << 20)}
-    )
+    garbage = workspace_files(None, **{"solution.py": b"\xff\xfe\x00garbage" * 1000, "big.bin": b"\0" * (3 << 20)})
     g = grade(env, garbage)
     assert g.score == 0.0 and "collection_error" in g.reason_codes()
 

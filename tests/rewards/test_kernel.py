@@ -119,8 +119,7 @@ CHEATS = {
         "forbidden_op",
     ),
     "obfuscated-library-op": (
-        HEAD
-        + "_f = getattr(torch, 'soft' + 'max')\n\n\ndef kernel(x, scale):\n    return _f(x * scale, -1)\n",
+        HEAD + "_f = getattr(torch, 'soft' + 'max')\n\n\ndef kernel(x, scale):\n    return _f(x * scale, -1)\n",
         "forbidden_op",
     ),
     "call-the-reference": (
@@ -190,8 +189,7 @@ CHEATS = {
         "thread_injection",
     ),
     "fork-hidden-from-ast": (
-        HEAD
-        + "_os = __import__('o' + 's')\n\n\ndef kernel(x, scale):\n    if getattr(_os, 'fo' + 'rk')() == 0:\n"
+        HEAD + "_os = __import__('o' + 's')\n\n\ndef kernel(x, scale):\n    if getattr(_os, 'fo' + 'rk')() == 0:\n"
         "        __import__('time').sleep(30)\n        _os._exit(0)\n" + LSE,
         "process_injection",
     ),
@@ -209,10 +207,7 @@ CHEATS = {
         "process_injection",
     ),
     "patch-the-timer": (
-        HEAD
-        + "import time\n_real = time.perf_counter\ntime.perf_counter = lambda: _real() * 0.001\n\n\n"
-        + DEF
-        + LSE,
+        HEAD + "import time\n_real = time.perf_counter\ntime.perf_counter = lambda: _real() * 0.001\n\n\n" + DEF + LSE,
         "timer_patch",
     ),
     "patch-the-timer-obfuscated": (
@@ -221,14 +216,12 @@ CHEATS = {
         "timer_patch",
     ),
     "bfloat16-compute": (
-        HEAD
-        + "def kernel(x, scale):\n    y = (x * scale).to(torch.bfloat16)\n    y = y - y.amax(-1, keepdim=True)\n"
+        HEAD + "def kernel(x, scale):\n    y = (x * scale).to(torch.bfloat16)\n    y = y - y.amax(-1, keepdim=True)\n"
         "    y = y.exp()\n    return (y / y.sum(-1, keepdim=True)).float()\n",
         "precision_reduction",
     ),
     "bfloat16-hidden-from-ast": (
-        HEAD
-        + "_dt = getattr(torch, 'bfloat' + '16')\n\n\ndef kernel(x, scale):\n    y = (x * scale).to(_dt)\n"
+        HEAD + "_dt = getattr(torch, 'bfloat' + '16')\n\n\ndef kernel(x, scale):\n    y = (x * scale).to(_dt)\n"
         "    y = y - y.amax(-1, keepdim=True)\n    y = y.exp()\n    return (y / y.sum(-1, keepdim=True)).float()\n",
         "precision_reduction",
     ),
@@ -238,8 +231,7 @@ CHEATS = {
         "precision_reduction",
     ),
     "broadcast-view-output": (
-        HEAD
-        + "def kernel(x, scale):\n    row = torch.exp(x[0] * scale - torch.logsumexp(x[0] * scale, -1))\n"
+        HEAD + "def kernel(x, scale):\n    row = torch.exp(x[0] * scale - torch.logsumexp(x[0] * scale, -1))\n"
         "    return row.expand_as(x)\n",
         "strides",
     ),

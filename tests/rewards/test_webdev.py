@@ -82,9 +82,7 @@ CHEATS = {
         "build_script_modified",
     ),
     "edited-vite-config": (
-        app(
-            **{"vite.config.js": "export default { publicDir: 'prebuilt', build: { emptyOutDir: false } };\n"}
-        ),
+        app(**{"vite.config.js": "export default { publicDir: 'prebuilt', build: { emptyOutDir: false } };\n"}),
         "config_modified",
     ),
     "extra-dependency": (
@@ -156,11 +154,7 @@ CHEATS = {
         "page_error",
     ),
     "console-error-logged": (
-        app(
-            VANILLA.replace(
-                "function add() {", "function add() {\n  console.error('storage quota exceeded');"
-            )
-        ),
+        app(VANILLA.replace("function add() {", "function add() {\n  console.error('storage quota exceeded');")),
         "console_error",
     ),
     "loads-app-from-cdn": (

@@ -65,11 +65,7 @@ def test_pids_limit(ws):
 
 def test_cgroups_created_are_removed(ws):
     py(ws, "print(1)", memory_mb=100)
-    own = [
-        line.split(":", 2)[2]
-        for line in Path("/proc/self/cgroup").read_text().splitlines()
-        if ":memory:" in line
-    ]
+    own = [line.split(":", 2)[2] for line in Path("/proc/self/cgroup").read_text().splitlines() if ":memory:" in line]
     if own:
         base = Path("/sys/fs/cgroup/memory") / own[0].lstrip("/")
         assert not list(base.glob(f"rlk3-graders-{os.getpid()}*"))
