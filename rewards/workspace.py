@@ -520,8 +520,9 @@ class E2BConfig:
 
 
 class E2BWorkspace:
-    """The `Workspace` interface over an `e2b.Sandbox`. Limits are re-applied inside the sandbox with
-    `ulimit` and `timeout` (the server enforces its own cgroup limits too); output is capped here."""
+    """The `Workspace` interface over an `e2b.Sandbox`. Time, process and file limits are re-applied
+    inside the sandbox with `timeout` and `ulimit`; memory is the server's own cgroup limit; output is
+    capped here."""
 
     def __init__(self, sandbox, config: E2BConfig, *, owned: bool = False):
         self.sbx = sandbox
@@ -568,14 +569,18 @@ class E2BWorkspace:
         # for everyone else (untrusted commands run as `cfg.user`)
         host = Path(host_path)
         files = [host] if host.is_file() else [p for p in host.rglob("*") if p.is_file()]
+        executables = []
         for f in files:
             rel = "" if f == host else f.relative_to(host).as_posix()
-            self.sbx.files.write(f"{sandbox_path}/{rel}".rstrip("/"), f.read_bytes(), user="root")
-        self.sbx.commands.run(
-            f"chown -R root:root {_shq(sandbox_path)} && chmod -R a+rX,go-w {_shq(sandbox_path)}",
-            user="root",
-            timeout=60,
-        )
+            dest = f"{sandbox_path}/{rel}".rstrip("/")
+            self.sbx.files.write(dest, f.read_bytes(), user="root")
+            if os.access(f, os.X_OK):  # uploads carry no mode bits: restore the executable ones
+                executables.append(dest)
+        cmd = f"chown -R root:root {_shq(sandbox_path)} && chmod -R a+rX,go-w {_shq(sandbox_path)}"
+        if executables:
+            self.sbx.files.write("/tmp/.rlk3-exec-list", "\n".join(executables), user="root")
+            cmd += " && xargs -d '\\n' chmod a+x < /tmp/.rlk3-exec-list && rm -f /tmp/.rlk3-exec-list"
+        self.sbx.commands.run(cmd, user="root", timeout=120)
 
     def exec(self, argv, *, stdin=None, limits=None, env=None, cwd=WORKDIR) -> ExecResult:
         lim = limits or Limits()
@@ -586,9 +591,10 @@ class E2BWorkspace:
             self.sbx.files.write(tmp, stdin)
             redirect = f" < {tmp}"
             self.sbx.commands.run(f"chmod a+r {tmp}", user=self.cfg.user, timeout=30)
-        kb = lim.memory_mb * 1024
+        # memory is the server's cgroup limit: an address-space ulimit would break runtimes that reserve
+        # far more virtual memory than they use (V8's WebAssembly, torch)
         script = (
-            f"cd {_shq(cwd_abs)} && ulimit -v {kb * 4} -u {lim.pids} -n {lim.nofile} -c 0 && "
+            f"cd {_shq(cwd_abs)} && ulimit -u {lim.pids} -n {lim.nofile} -c 0 && "
             f"exec timeout -s KILL {lim.timeout_s:.3f} {' '.join(_shq(a) for a in argv)}{redirect}"
         )
         t0 = time.monotonic()

@@ -287,7 +287,12 @@ def main():
     origin = f"http://127.0.0.1:{server.server_address[1]}"
     result = {"steps": [], "failure": None, "page_errors": [], "console_errors": [], "external_requests": []}
     udd = tempfile.mkdtemp(prefix="chromium-")
-    cdp = CDP(shutil.which("chromium") or "/usr/bin/chromium", udd)
+    # Debian's /usr/bin/chromium is a shell wrapper that sources /etc/chromium.d/*, which a sandbox with a
+    # curated /etc may lack; the binary behind it needs nothing from /etc
+    binary = "/usr/lib/chromium/chromium"
+    if not os.path.exists(binary):
+        binary = shutil.which("chromium") or "/usr/bin/chromium"
+    cdp = CDP(binary, udd)
     try:
         target = cdp.call("Target.createTarget", {"url": "about:blank"}, timeout=60)["targetId"]
         cdp.session = cdp.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]

@@ -71,3 +71,31 @@ def test_code_grader_over_the_sandbox_server(server, solution, code):
         assert g.passed and g.score == 1.0, g.reasons
     else:
         assert g.score == 0.0 and code in g.reason_codes(), g.reasons
+
+
+@pytest.mark.parametrize(
+    ("name", "code"),
+    [("honest", None), ("first-frame-only", "e2e_failed"), ("noop-build-script", "build_script_modified")],
+)
+def test_webdev_grader_over_the_sandbox_server(server, name, code):
+    from rewards.webdev.grader import WebdevGrader, WebdevTask
+    from tests.rewards.test_webdev import CHEATS
+    from tests.rewards.web_fixtures import PROTECTED, app
+
+    if WebdevGrader().missing_assets():
+        pytest.fail(f"run scripts/setup.d/graders.sh: {WebdevGrader().missing_assets()}")
+    files = app() if code is None else {k: v for k, v in CHEATS[name][0].items() if v is not None}
+    from e2b import Sandbox
+
+    ws = E2BWorkspace(Sandbox.create("node", **server.sdk_opts()), server)
+    for path, data in files.items():
+        ws.write_file(path, data)
+    before = tree_hash(ws)
+    g = get_grader("webdev", sandboxes=E2BSandboxes(server)).grade(
+        WebdevTask(protected=PROTECTED), SimpleTrajectory(sandbox_id=ws.sbx.sandbox_id)
+    )
+    assert tree_hash(ws) == before, "grading changed the original sandbox"
+    if code is None:
+        assert g.passed and g.score == 1.0, g.reasons
+    else:
+        assert g.score == 0.0 and code in g.reason_codes(), g.reasons
