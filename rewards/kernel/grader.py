@@ -48,7 +48,6 @@ def reference_source(task_name: str) -> str:
     """What the policy is shown: the reference as readable code (written into its workspace)."""
     import inspect
 
-    sys.path.insert(0, str(HERE))
     from rewards.kernel import tasks
 
     t = tasks.TASKS[task_name]
@@ -172,16 +171,16 @@ class KernelGrader:
         t_cand = statistics.median(cand["times_s"])
         speedup = t_exp / t_cand
         details.update(expert_s=t_exp, candidate_s=t_cand, speedup=speedup)
-        if t_cand < task.roofline_slack * report["copy_s"]:
+        if roofline_violation(t_cand, report["copy_s"], speedup, task):
             return Grade.fail(
-                f"impossible_speedup: {t_cand * 1e6:.0f} µs is below the copy roofline "
-                f"({report['copy_s'] * 1e6:.0f} µs to move the same bytes)",
+                f"impossible_speedup: {t_cand * 1e6:.0f} µs per call, {speedup:.1f}x the expert (limit "
+                f"{task.max_speedup}x); moving the same bytes once takes {report['copy_s'] * 1e6:.0f} µs",
                 **details,
             )
-        if speedup > task.max_speedup:
-            return Grade.fail(f"impossible_speedup: {speedup:.1f}x the expert (limit {task.max_speedup}x)", **details)
         return Grade(speedup, True, [], details)
 
 
 def roofline_violation(t_cand: float, copy_s: float, speedup: float, task: KernelTask) -> bool:
+    """Physically implausible: faster than `roofline_slack` x the time to copy the task's bytes once, or
+    more than `max_speedup` x the expert implementation (KernelBench's excessive-speedup flag)."""
     return t_cand < task.roofline_slack * copy_s or speedup > task.max_speedup

@@ -80,3 +80,18 @@ def test_effort_composes_with_outcome():
 def test_effort_budget_validation():
     with pytest.raises(GraderConfigError, match="budget"):
         validate_task("effort", SimpleTrajectory(budget=-5))
+
+
+def test_missing_pristine_assets_fail_at_config_validation(monkeypatch, tmp_path):
+    import rewards.code.grader as code_grader
+    import rewards.kernel.grader as kernel_grader
+    from rewards.code.grader import CodeCase, CodeTask
+    from rewards.kernel.grader import KernelTask
+
+    task = CodeTask(visible=[], hidden=[CodeCase(id="h", call="f", expected=1)])
+    monkeypatch.setattr(code_grader, "RUNNER", tmp_path / "runner.py")
+    with pytest.raises(GraderConfigError, match=r"grader 'code': pristine runner missing"):
+        validate_task("code", task)
+    monkeypatch.setattr(kernel_grader, "HERE", tmp_path)
+    with pytest.raises(GraderConfigError, match=r"grader 'kernel': pristine assets missing: \['judge.py'"):
+        validate_task("kernel", KernelTask())
