@@ -132,7 +132,9 @@ def server(tmp_path_factory):
     kill_all(srv)
     srv.stop()
     # the server must leave nothing behind: no cgroup of its own, no mount of its disk
-    leftovers = [p for c in ("unified", "memory", "pids", "cpu", "cpuacct") if (p := CG / c / srv.tag).exists()]
+    leftovers = [
+        p for c in ("unified", "memory", "pids", "cpu", "cpuacct") if (p := CG / c / srv.tag).exists()
+    ]
     assert not leftovers, f"cgroups left behind: {leftovers}"
     assert not srv.sandbox_mounts()
 

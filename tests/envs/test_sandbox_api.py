@@ -167,11 +167,14 @@ def test_templates_are_built_once_and_work(server, template):
                 assert r.stdout.strip() == "hello from the offline cache"
         finally:
             await sbx.kill()
-        layers = sorted(p.name for p in (server.state / "disk" / "layers").iterdir() if p.name.startswith("tpl-"))
+        layers = sorted(
+            p.name for p in (server.state / "disk" / "layers").iterdir() if p.name.startswith("tpl-")
+        )
         again = await AsyncSandbox.create(template)
         await again.kill()
         assert (
-            sorted(p.name for p in (server.state / "disk" / "layers").iterdir() if p.name.startswith("tpl-")) == layers
+            sorted(p.name for p in (server.state / "disk" / "layers").iterdir() if p.name.startswith("tpl-"))
+            == layers
         )  # cached by content hash: no rebuild
 
     asyncio.run(go())

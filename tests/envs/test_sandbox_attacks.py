@@ -111,7 +111,9 @@ def test_files_api_paths_cannot_escape(server, sandbox):
         assert await sandbox.files.read("/etc/passwd") == "sandbox-local\n"
         await sandbox.files.write(str(registry / "sandboxes" / "pwn.json"), "{}")
         # a symlink pointing at host-provided files ends in a read-only mount
-        await sandbox.commands.run("ln -s /usr/bin/python3 /home/user/py; ln -s /proc/1/root/usr/lib /home/user/l")
+        await sandbox.commands.run(
+            "ln -s /usr/bin/python3 /home/user/py; ln -s /proc/1/root/usr/lib /home/user/l"
+        )
         for target in ("/home/user/py", "/home/user/l/pwn"):
             with pytest.raises(SandboxException):
                 await sandbox.files.write(target, "overwritten")
@@ -159,7 +161,9 @@ def test_memory_bomb_is_oom_killed_inside_only(server, sandbox):
 def test_disk_fill_stops_at_the_quota(server, sandbox):
     async def go():
         free_before = shutil.disk_usage("/").free
-        _code, out = await sh(sandbox, "dd if=/dev/zero of=/home/user/fill bs=1M count=3000 2>&1; sync", timeout=120)
+        _code, out = await sh(
+            sandbox, "dd if=/dev/zero of=/home/user/fill bs=1M count=3000 2>&1; sync", timeout=120
+        )
         assert "Disk quota exceeded" in out or "No space left" in out, out
         size = int((await sandbox.commands.run("stat -c %s /home/user/fill")).stdout)
         assert size <= (1024 + 64) << 20  # the template's 1 GiB quota (plus btrfs slack)

@@ -52,7 +52,9 @@ def test_commands_stdout_stderr_exit_codes_and_timeouts(server):
             # the timed-out command was killed, not left running
             for _ in range(50):
                 if (
-                    await sbx.commands.run("kill -0 $(cat /tmp/sleeper) 2>/dev/null && echo alive || echo dead")
+                    await sbx.commands.run(
+                        "kill -0 $(cat /tmp/sleeper) 2>/dev/null && echo alive || echo dead"
+                    )
                 ).stdout.strip() == "dead":
                     break
                 await asyncio.sleep(0.1)
@@ -277,7 +279,9 @@ def test_kill_leaves_no_process_mount_or_cgroup(server):
     async def go():
         sbx = await AsyncSandbox.create()
         sid = sbx.sandbox_id
-        await sbx.commands.run("sleep 1000 & setsid sleep 1001 & nohup sleep 1002 >/dev/null 2>&1 &", timeout=5)
+        await sbx.commands.run(
+            "sleep 1000 & setsid sleep 1001 & nohup sleep 1002 >/dev/null 2>&1 &", timeout=5
+        )
         pids = server.cgroup_procs(sid)
         assert len(pids) >= 4
         upper = server.state / "disk" / "uppers" / server.rec(sid)["upper"]
@@ -304,7 +308,10 @@ def test_list_info_metadata_timeout_and_metrics(server):
             assert {a.sandbox_id, b.sandbox_id} <= set(ids)  # paged one at a time via x-next-token
             from e2b import SandboxQuery
 
-            only = [s.sandbox_id async for s in _iter(AsyncSandbox.list(query=SandboxQuery(metadata={"job": "t2"})))]
+            only = [
+                s.sandbox_id
+                async for s in _iter(AsyncSandbox.list(query=SandboxQuery(metadata={"job": "t2"})))
+            ]
             assert only == [b.sandbox_id]
             await a.set_timeout(600)
             assert (await a.get_info()).end_at.timestamp() > time.time() + 500

@@ -43,7 +43,9 @@ def test_thousand_cycles_fifty_concurrent_leave_nothing(server):
     leaves = [p for p in server.leaves("x")[0].parent.iterdir() if p.is_dir()]
     assert leaves == []
     assert server.sandbox_mounts() == []
-    agents = subprocess.run(["pgrep", "-f", "/run/rlk3/agent.py"], capture_output=True, text=True).stdout.split()
+    agents = subprocess.run(
+        ["pgrep", "-f", "/run/rlk3/agent.py"], capture_output=True, text=True
+    ).stdout.split()
     assert agents == []
     uppers = list((server.state / "disk" / "uppers").iterdir())
     assert uppers == []

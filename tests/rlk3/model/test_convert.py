@@ -11,31 +11,13 @@ def kimi_linear(q_lora_rank=None, layers=5, seed=0):
     torch.manual_seed(seed)
     full = [2, 5] if layers == 5 else [layers]
     cfg = KimiLinearConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        kv_lora_rank=16,
-        q_lora_rank=q_lora_rank,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=12,
-        num_local_experts=8,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
+        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=q_lora_rank, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=12, num_local_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
         linear_attn_config={
-            "full_attn_layers": full,
-            "kda_layers": [i for i in range(1, layers + 1) if i not in full],
-            "num_heads": 2,
-            "head_dim": 16,
-            "short_conv_kernel_size": 4,
+            "full_attn_layers": full, "kda_layers": [i for i in range(1, layers + 1) if i not in full],
+            "num_heads": 2, "head_dim": 16, "short_conv_kernel_size": 4,
         },
     )
     model = KimiLinearForCausalLM(cfg).eval()

@@ -55,12 +55,8 @@ def test_fla_chunk_matches_torch_reference(T, mode):
     kwargs = {}
     if mode == "k3_gate":
         kwargs = dict(
-            use_gate_in_kernel=True,
-            safe_gate=True,
-            lower_bound=-5.0,
-            use_qk_l2norm_in_kernel=True,
-            use_beta_sigmoid_in_kernel=True,
-            A_log=torch.zeros(H, device="cuda"),
+            use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0, use_qk_l2norm_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True, A_log=torch.zeros(H, device="cuda"),
             dt_bias=torch.randn(H * K, device="cuda") * 0.5,
         )
     ref, fla = run("torch", tensors, kwargs), run("fla", tensors, kwargs)

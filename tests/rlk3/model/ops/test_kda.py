@@ -73,12 +73,7 @@ def test_chunk_equals_naive_varlen(dtype):
     o_var, s_var = torch_chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=offs)
     for n, (a, b) in enumerate(zip(offs.tolist(), offs.tolist()[1:])):
         o_n, s_n = naive_recurrent_kda(
-            q[:, a:b],
-            k[:, a:b],
-            v[:, a:b],
-            g[:, a:b],
-            beta[:, a:b],
-            initial_state=h0[n : n + 1],
+            q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], initial_state=h0[n : n + 1],
             output_final_state=True,
         )
         assert rel_err(o_var[:, a:b], o_n) <= TOL[dtype]
@@ -94,13 +89,8 @@ def test_in_kernel_options_gva_and_v_first(dtype):
     dt_bias = torch.randn(4 * 16, dtype=dtype)
     for gate in ({"lower_bound": -5.0, "safe_gate": True}, {"lower_bound": None}):
         kwargs = dict(
-            use_qk_l2norm_in_kernel=True,
-            use_gate_in_kernel=True,
-            use_beta_sigmoid_in_kernel=True,
-            state_v_first=True,
-            A_log=A_log,
-            dt_bias=dt_bias,
-            **gate,
+            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+            state_v_first=True, A_log=A_log, dt_bias=dt_bias, **gate,
         )
         for name, a, b in run_both(torch_chunk_kda, naive_recurrent_kda, (q, k, v, g, beta, h0), kwargs):
             assert rel_err(a, b) <= TOL[dtype], f"{name} {gate}: rel err {rel_err(a, b):.2e}"
@@ -145,9 +135,8 @@ def _load_fla_naive():
 def test_our_naive_equals_flas_naive(HV, h0):
     fla_naive = _load_fla_naive()
     q, k, v, g, beta, state = make_inputs(2, 50, 3, 16, 12, torch.float32, HV=HV, h0=h0)
-    o_ref, s_ref = fla_naive.naive_recurrent_kda(
-        q, k, v, g, beta, scale=0.3, initial_state=state, output_final_state=True
-    )
+    o_ref, s_ref = fla_naive.naive_recurrent_kda(q, k, v, g, beta, scale=0.3, initial_state=state,
+                                                 output_final_state=True)
     o, s = naive_recurrent_kda(q, k, v, g, beta, scale=0.3, initial_state=state, output_final_state=True)
     assert rel_err(o, o_ref) <= 1e-6 and rel_err(s, s_ref) <= 1e-6
     # and FLA's chunk reference (T a multiple of its chunk) agrees with our chunkwise form

@@ -9,12 +9,9 @@ from tests._util import rel_err
 
 def inputs(B=2, T=5, S=40, H=4, N=16, R=8, L=24, V=12, dtype=torch.float64):
     return (
-        torch.randn(B, T, H, N, dtype=dtype),
-        torch.randn(B, T, H, R, dtype=dtype),
-        torch.randn(B, S, L, dtype=dtype),
-        torch.randn(B, S, R, dtype=dtype),
-        torch.randn(H, N, L, dtype=dtype) * 0.2,
-        torch.randn(H, V, L, dtype=dtype) * 0.2,
+        torch.randn(B, T, H, N, dtype=dtype), torch.randn(B, T, H, R, dtype=dtype),
+        torch.randn(B, S, L, dtype=dtype), torch.randn(B, S, R, dtype=dtype),
+        torch.randn(H, N, L, dtype=dtype) * 0.2, torch.randn(H, V, L, dtype=dtype) * 0.2,
     )
 
 
