@@ -476,8 +476,14 @@ class LocalSandboxes:
     """A `SandboxProvider` over host directories: `create()` makes a workspace, `open(id)` returns it."""
 
     def __init__(self, base: str | Path | None = None):
-        self.base = Path(base or tempfile.mkdtemp(prefix="rlk3-sandboxes-"))
-        self.base.mkdir(parents=True, exist_ok=True)
+        self._base = Path(base) if base else None  # a temporary directory is made on first create()
+
+    @property
+    def base(self) -> Path:
+        if self._base is None:
+            self._base = Path(tempfile.mkdtemp(prefix="rlk3-sandboxes-"))
+        self._base.mkdir(parents=True, exist_ok=True)
+        return self._base
 
     def create(self, files: dict[str, bytes | str] | None = None) -> str:
         sid = uuid.uuid4().hex[:12]
