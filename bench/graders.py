@@ -16,6 +16,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -132,7 +133,8 @@ def main():
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--only", default="answer,effort,code,kernel,webdev")
     args = ap.parse_args()
-    sb = LocalSandboxes()
+    tmp = tempfile.TemporaryDirectory(prefix="rlk3-graders-bench-")
+    sb = LocalSandboxes(tmp.name)
     builders = {
         "answer": _answer_jobs,
         "effort": _effort_jobs,
@@ -176,6 +178,7 @@ def main():
             f"{r['p90_latency_s'] * 1e3:.1f} ms | {r['grades']} | {r['workers']} |"
         )
     print(f"\nwritten {path.relative_to(ROOT)}")
+    tmp.cleanup()
 
 
 if __name__ == "__main__":
