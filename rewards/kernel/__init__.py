@@ -1,0 +1,1 @@
+"""Kernel grader: correctness gate x speedup against an expert implementation, measured by the grader."""

@@ -1,0 +1,101 @@
+"""The graders' e2b path against this repository's sandbox server (envs/sandbox), through the real e2b SDK:
+the judging fork is the server's fork, grader assets are written as the sandbox's root, the submission runs
+as the sandbox user, and the original sandbox is unchanged afterwards."""
+
+import os
+
+import pytest
+
+from rewards import SimpleTrajectory, get_grader
+from rewards.workspace import E2BConfig, E2BSandboxes, E2BWorkspace, Limits, tree_hash
+from tests.rewards.code_fixtures import HONEST, roman_task, workspace_files
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    if os.geteuid() != 0:
+        pytest.fail("the sandbox server needs root (namespaces, cgroups, mounts): run as root, as CI does")
+    from tests.envs.conftest import kill_all, start_server
+
+    srv = start_server(tmp_path_factory.mktemp("gsbx") / "state")
+    yield E2BConfig(api_url=srv.url, sandbox_url=srv.url, api_key="rlk3-test")
+    kill_all(srv)
+    srv.stop()
+
+
+def _sandbox(cfg, files):
+    from e2b import Sandbox
+
+    ws = E2BWorkspace(Sandbox.create("base", **cfg.sdk_opts()), cfg)
+    for path, data in files.items():
+        ws.write_file(path, data)
+    return ws
+
+
+def test_workspace_interface_over_e2b(server):
+    ws = _sandbox(server, {"a/b.txt": "hello"})
+    assert [(e.path, e.kind) for e in ws.list_files()] == [("a", "dir"), ("a/b.txt", "file")]
+    assert ws.read_file("a/b.txt") == b"hello"
+    r = ws.exec(["python3", "-c", "import os, sys; print(os.getcwd(), os.getuid(), sys.stdin.read())"], stdin=b"in")
+    assert r.exit_code == 0 and r.stdout == f"{ws.sandbox_root} 1000 in\n".encode()
+    r = ws.exec(["sh", "-c", "sleep 30"], limits=Limits(timeout_s=1))
+    assert r.timed_out
+    child = ws.fork()
+    child.write_file("a/b.txt", "changed")
+    assert ws.read_file("a/b.txt") == b"hello" and child.read_file("a/b.txt") == b"changed"
+    child.close()
+
+
+@pytest.mark.parametrize(
+    ("solution", "code"),
+    [
+        (HONEST, None),
+        ("def roman(n):\n    return {3: 'III', 4: 'IV', 9: 'IX', 58: 'LVIII'}.get(n, '')\n", "held_out_failed"),
+        ("import sys\nsys.exit(0)\n", "early_exit"),
+        ("import os, signal\ndef roman(n):\n    os.kill(os.getppid(), signal.SIGKILL)\n", "runner_killed"),
+        (
+            "class Eq(str):\n    def __eq__(self, o):\n        return True\n\ndef roman(n):\n    return Eq('')\n",
+            "untrusted_type",
+        ),
+    ],
+    ids=["honest", "hardcode-visible", "sys-exit-0", "kill-runner", "eq-override"],
+)
+def test_code_grader_over_the_sandbox_server(server, solution, code):
+    ws = _sandbox(server, workspace_files(solution))
+    before = tree_hash(ws)
+    g = get_grader("code", sandboxes=E2BSandboxes(server)).grade(
+        roman_task(), SimpleTrajectory(sandbox_id=ws.sbx.sandbox_id)
+    )
+    assert tree_hash(ws) == before, "grading changed the original sandbox"
+    if code is None:
+        assert g.passed and g.score == 1.0, g.reasons
+    else:
+        assert g.score == 0.0 and code in g.reason_codes(), g.reasons
+
+
+@pytest.mark.parametrize(
+    ("name", "code"),
+    [("honest", None), ("first-frame-only", "e2e_failed"), ("noop-build-script", "build_script_modified")],
+)
+def test_webdev_grader_over_the_sandbox_server(server, name, code):
+    from rewards.webdev.grader import WebdevGrader, WebdevTask
+    from tests.rewards.test_webdev import CHEATS
+    from tests.rewards.web_fixtures import PROTECTED, app
+
+    if WebdevGrader().missing_assets():
+        pytest.fail(f"run scripts/setup.d/graders.sh: {WebdevGrader().missing_assets()}")
+    files = app() if code is None else {k: v for k, v in CHEATS[name][0].items() if v is not None}
+    from e2b import Sandbox
+
+    ws = E2BWorkspace(Sandbox.create("node", **server.sdk_opts()), server)
+    for path, data in files.items():
+        ws.write_file(path, data)
+    before = tree_hash(ws)
+    g = get_grader("webdev", sandboxes=E2BSandboxes(server)).grade(
+        WebdevTask(protected=PROTECTED), SimpleTrajectory(sandbox_id=ws.sbx.sandbox_id)
+    )
+    assert tree_hash(ws) == before, "grading changed the original sandbox"
+    if code is None:
+        assert g.passed and g.score == 1.0, g.reasons
+    else:
+        assert g.score == 0.0 and code in g.reason_codes(), g.reasons
