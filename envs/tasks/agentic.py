@@ -26,9 +26,10 @@ SCRIPTS = ["calc", "mix", "fold", "hash", "spin", "step"]
 
 @dataclass(frozen=True)
 class Step:
-    """One move of a reference solution: a tool call, or the final answer (``tool`` is None)."""
+    """One move of a reference solution: a call of a tool *kind* with canonical arguments (the harness maps both
+    to each preset's tool and parameter names). ``submit`` with ``{"answer": ...}`` ends the episode."""
 
-    tool: str | None
+    tool: str  # a harness tool kind: shell, read, write, submit, ...
     args: dict
     thought: str = ""
 
@@ -47,11 +48,11 @@ def _lookup(rng: random.Random) -> tuple[str, dict[str, str], str, list[Step]]:
     target = rng.choice(svcs)
     cfg, port = ports[target]
     prompt = (f"Which port does the service '{target}' use? services.txt says which config file describes each "
-              f"service. End with 'Answer: <port>'.")
+              f"service. Give the port as your final answer.")
     steps = [
-        Step("shell", {"cmd": "cat services.txt"}, "First see which config file belongs to the service."),
-        Step("shell", {"cmd": f"cat {cfg}"}, f"{target} is described in {cfg}."),
-        Step(None, {"answer": str(port)}, f"The config says port = {port}."),
+        Step("shell", {"command": "cat services.txt"}, "First see which config file belongs to the service."),
+        Step("shell", {"command": f"cat {cfg}"}, f"{target} is described in {cfg}."),
+        Step("submit", {"answer": str(port)}, f"The config says port = {port}."),
     ]
     return prompt, files, str(port), steps
 
@@ -70,11 +71,11 @@ def _run(rng: random.Random) -> tuple[str, dict[str, str], str, list[Step]]:
     decoy = rng.choice([s for s in SCRIPTS if s != name])
     files[f"tools/{decoy}.py"] = f"import sys\nprint(int(sys.argv[1]) * {rng.randint(2, 9)})\n"
     value = str((arg * a + b) % m)
-    prompt = "Run the command written in run.txt and report the number it prints. End with 'Answer: <number>'."
+    prompt = "Run the command written in run.txt and give the number it prints as your final answer."
     steps = [
-        Step("shell", {"cmd": "cat run.txt"}, "Read which command to run."),
-        Step("shell", {"cmd": f"python3 {path} {arg}"}, "Run exactly that command."),
-        Step(None, {"answer": value}, f"It printed {value}."),
+        Step("shell", {"command": "cat run.txt"}, "Read which command to run."),
+        Step("shell", {"command": f"python3 {path} {arg}"}, "Run exactly that command."),
+        Step("submit", {"answer": value}, f"It printed {value}."),
     ]
     return prompt, files, value, steps
 
@@ -96,12 +97,12 @@ def _fix(rng: random.Random) -> tuple[str, dict[str, str], str, list[Step]]:
         ),
     }
     prompt = ("The command 'python3 check.py' fails. Fix settings.ini so that it succeeds, run it again and "
-              "report the line it prints. End with 'Answer: <line>'.")
+              "give the line it prints as your final answer.")
     steps = [
-        Step("shell", {"cmd": "python3 check.py"}, "See why the check fails."),
-        Step("shell", {"cmd": f"sed -i 's/^mode = .*/mode = {right}/' settings.ini"}, f"It wants mode {right}."),
-        Step("shell", {"cmd": "python3 check.py"}, "Run the check again."),
-        Step(None, {"answer": token}, "The check passes now."),
+        Step("shell", {"command": "python3 check.py"}, "See why the check fails."),
+        Step("shell", {"command": f"sed -i 's/^mode = .*/mode = {right}/' settings.ini"}, f"It wants mode {right}."),
+        Step("shell", {"command": "python3 check.py"}, "Run the check again."),
+        Step("submit", {"answer": token}, "The check passes now."),
     ]
     return prompt, files, token, steps
 

@@ -84,8 +84,7 @@ def task(split: str, index: int, family: str | None = None) -> Task:
     hidden = [_case(fam, params, fam.inputs(rng), f"hidden-{i}") for i in range(5)]
     shown = ", ".join(repr(a) for a in example)
     prompt = (f"Write a Python function {fam.name}({fam.signature}) in solution.py that {fam.spec.format(**params)}. "
-              f"Example: {fam.name}({shown}) == {visible[0]['expected']!r}. End with 'Answer: done' when the file is "
-              "written.")
+              f"Example: {fam.name}({shown}) == {visible[0]['expected']!r}. When the file is written, answer 'done'.")
     return Task(
         task_id=f"coding/{split}/{index}",
         domain="coding",
@@ -102,11 +101,11 @@ def task(split: str, index: int, family: str | None = None) -> Task:
 def solution(t: Task, check: bool = False) -> list[Step]:
     fam = BY_NAME[t.meta["family"]]
     code = f"def {fam.name}({fam.signature}):\n    return {fam.body.format(**t.meta['params'])}\n"
-    steps = [Step("write_file", {"path": "solution.py", "content": code}, "Write the function.")]
+    steps = [Step("write", {"path": "solution.py", "content": code}, "Write the function.")]
     if check:
         case = t.grading["visible"][0]
         args = ", ".join(repr(a) for a in case["args"])
-        steps.append(Step("shell", {"cmd": f'python3 -c "from solution import {fam.name}; print({fam.name}({args}))"'},
-                          "Check it on the example."))
-    steps.append(Step(None, {"answer": "done"}, "The function is written."))
+        check = f'python3 -c "from solution import {fam.name}; print({fam.name}({args}))"'
+        steps.append(Step("shell", {"command": check}, "Check it on the example."))
+    steps.append(Step("submit", {"answer": "done"}, "The function is written."))
     return steps

@@ -41,10 +41,10 @@ def run_solution(task, tmp_path):
     outputs = []
     for step in agentic.solution(task) if task.domain == "agentic" else coding.solution(task, check=True):
         if step.tool == "shell":
-            r = subprocess.run(["bash", "-c", step.args["cmd"]], cwd=tmp_path, capture_output=True, text=True,
+            r = subprocess.run(["bash", "-c", step.args["command"]], cwd=tmp_path, capture_output=True, text=True,
                                timeout=10)
             outputs.append(r.stdout + r.stderr)
-        elif step.tool == "write_file":
+        elif step.tool == "write":
             (tmp_path / step.args["path"]).write_text(step.args["content"])
             outputs.append("")
         else:
@@ -60,7 +60,7 @@ def test_agentic_reference_solutions_work_in_a_real_shell(kind, tmp_path):
         case.mkdir()
         outputs = run_solution(t, case)
         assert outputs[-1] == t.grading["answer"]
-        assert len([s for s in agentic.solution(t) if s.tool]) >= 2  # needs at least two tool calls
+        assert len([s for s in agentic.solution(t) if s.tool != "submit"]) >= 2  # at least two working calls
         evidence = outputs[-2]
         assert t.grading["answer"] in evidence, (kind, outputs)  # the tools really reveal the answer
         if kind == "fix":
