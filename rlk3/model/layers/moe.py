@@ -87,12 +87,14 @@ class K3Experts(nn.Module):
             out.index_add_(0, tokens, y.to(acc) * weights.flatten()[rows, None].to(acc))
         return out.to(x.dtype)
 
-    # On a CPU with few, small experts, one batched matmul over *all* experts beats a Python loop of tiny ones:
-    # per-op overhead dominates there. Unselected experts get routing weight 0 (so no output and no gradient).
+    # On a CPU with few experts and few tokens (decode steps), one batched matmul over *all* experts beats a Python
+    # loop of tiny ones: per-op overhead dominates there. Past a few hundred tokens the E/k times larger work loses.
+    # Unselected experts get routing weight 0 (so no output and no gradient).
     DENSE_MAX_EXPERTS = 32
+    DENSE_MAX_TOKENS = 256
 
     def _dense_ok(self, x: torch.Tensor) -> bool:
-        return not x.is_cuda and self.num_experts <= self.DENSE_MAX_EXPERTS
+        return not x.is_cuda and self.num_experts <= self.DENSE_MAX_EXPERTS and x.shape[0] <= self.DENSE_MAX_TOKENS
 
     def _dense(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         N = x.shape[0]

@@ -81,6 +81,25 @@ def _decayed_gram(x: torch.Tensor, y: torch.Tensor, G: torch.Tensor, inclusive: 
     return full.transpose(-3, -2).reshape(*lead, C, C)
 
 
+def unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
+    """``(I + A)⁻¹`` for strictly lower-triangular ``A [..., C, C]`` (C a power of two) by recursive 2×2 block
+    inversion: ``[[E, 0], [L21, O]]⁻¹ = [[E⁻¹, 0], [−O⁻¹ L21 E⁻¹, O⁻¹]]``, all blocks of one size at once.
+    Batched matmuls only (LAPACK's per-matrix triangular solve is slow for many small systems on a CPU), and
+    stable: no power series whose terms grow combinatorially when keys repeat."""
+    *lead, C, _ = A.shape
+    inv = torch.ones(*lead, C, 1, 1, dtype=A.dtype, device=A.device)  # inverses of the 1x1 diagonal blocks
+    b = 1
+    while b < C:
+        m = C // (2 * b)
+        blocks = A.reshape(*lead, m, 2 * b, m, 2 * b).diagonal(dim1=-4, dim2=-2)  # [..., 2b, 2b, m]
+        blocks = blocks.permute(*range(len(lead)), -1, -3, -2)  # [..., m, 2b, 2b]
+        E, O = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
+        lower = -(O @ blocks[..., b:, :b] @ E)
+        inv = torch.cat([torch.cat([E, torch.zeros_like(E)], -1), torch.cat([lower, O], -1)], -2)
+        b *= 2
+    return inv[..., 0, :, :]
+
+
 def _chunk_forward(q, k, v, g, beta, S, chunk_size):
     """All inputs in the compute dtype, head-major: q, k, g [N, HV, T, K], v [N, HV, T, V], beta [N, HV, T],
     S [N, HV, K, V]; T divisible by chunk_size. Returns (o [N, HV, T, V], S)."""
@@ -93,9 +112,8 @@ def _chunk_forward(q, k, v, g, beta, S, chunk_size):
 
     G = g.cumsum(dim=-2)
     A = beta * _decayed_gram(k, k, G, inclusive=False)
-    eye = torch.eye(C, dtype=q.dtype, device=q.device)
     rhs = torch.cat([beta * k * G.exp(), beta * v], dim=-1)
-    wu = torch.linalg.solve_triangular(A + eye, rhs, upper=False, unitriangular=True)
+    wu = unit_lower_inverse(A) @ rhs
     W, U = wu[..., :K], wu[..., K:]
     M = _decayed_gram(q, k, G, inclusive=True)
     q_decayed = q * G.exp()
