@@ -115,7 +115,8 @@ def _build(split: str, index: int, kind: str | None):
         raise ValueError(f"agentic: kind must be one of {list(KINDS)}, got {kind!r}")
 
     def build(rng):
-        k = rng.choice(KINDS) if kind is None else kind
+        k = rng.choice(KINDS)  # drawn even when `kind` is given: the same index must give the same content
+        k = kind or k
         made = MAKERS[k](rng)
         return made[0] + json.dumps(made[1], sort_keys=True), (k, *made)
 
@@ -140,4 +141,7 @@ def task(split: str, index: int, kind: str | None = None) -> Task:
 def solution(t: Task) -> list[Step]:
     """The reference moves for a task built by :func:`task` (for SFT demonstrations)."""
     _, split, index = t.task_id.split("/")
-    return _build(split, int(index), t.meta["kind"])[4]
+    _, prompt, files, _, steps = _build(split, int(index), t.meta["kind"])
+    if prompt != t.prompt or files != t.files:
+        raise ValueError(f"{t.task_id}: the task does not come from agentic.task(); no reference solution")
+    return steps

@@ -52,6 +52,13 @@ def run_solution(task, tmp_path):
     return outputs
 
 
+def test_agentic_solutions_match_tasks_drawn_without_a_kind(tmp_path):
+    for i, t in enumerate(get_tasks("agentic", "train", 12)):
+        case = tmp_path / str(i)
+        case.mkdir()
+        assert run_solution(t, case)[-1] == t.grading["answer"]
+
+
 @pytest.mark.parametrize("kind", agentic.KINDS)
 def test_agentic_reference_solutions_work_in_a_real_shell(kind, tmp_path):
     for i in range(4):

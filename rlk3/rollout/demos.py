@@ -1,0 +1,147 @@
+"""SFT demonstrations: reference solutions replayed through the same harness the policy will use.
+
+A demonstration is the conversation a competent agent would have on a training task at a given reasoning
+effort: the harness's system prompt (effort and budget lines included), the task, then assistant turns whose
+tool calls are written in the preset's syntax, *parsed back* by the harness (so every demonstrated call is one
+the agent loop would accept) and *executed* to get real tool results. Effort changes how much the agent
+reasons: every step explained (high), only the plan (medium), nothing (low) — and for arithmetic, every
+intermediate total, two operations per line, or none.
+
+Demonstrations are imperfect on purpose (``error_rate``): an arithmetic slip, a mistyped answer, an off-by-one
+constant. SFT then gives RL a base with headroom, as in the write-up's SFT → RL pipeline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass, field
+
+from envs.local import LocalWorkdirs
+from envs.tasks import Task, agentic, coding, general, get_tasks
+from harness import Harness
+
+EFFORTS = ("low", "medium", "high")
+# generated-token budgets per effort, stated in every system prompt (RL's effort configs use the same numbers)
+DEFAULT_BUDGETS = {"low": 96, "medium": 192, "high": 384}
+DOMAIN_PRESETS = {"general": "chat", "agentic": "tiny", "coding": "tiny"}
+
+
+@dataclass
+class Demo:
+    task_id: str
+    domain: str
+    effort: str
+    preset: str
+    messages: list[dict] = field(default_factory=list)
+    correct: bool = True  # False when an error was put in on purpose
+
+
+def _thought(effort: str, i: int, text: str) -> str | None:
+    if effort == "high" or (effort == "medium" and i == 0):
+        return text
+    return None
+
+
+def _corrupt_answer(answer: str, rng: random.Random) -> str:
+    digits = [i for i, c in enumerate(answer) if c.isdigit()]
+    if not digits:
+        return answer + "s"
+    i = rng.choice(digits)
+    return answer[:i] + str((int(answer[i]) + rng.randint(1, 9)) % 10) + answer[i + 1 :]
+
+
+def _general(task: Task, effort: str, h: Harness, budgets, err: bool, rng) -> tuple[list[dict], bool]:
+    p = general.problem_of(task)
+    slip = rng.choice([-3, -2, -1, 1, 2, 3]) if err else 0
+    text, answer = general.reasoning(p, effort, slip=slip, rng=rng)
+    msgs = h.start(task.prompt, effort=effort, budget=budgets[effort])
+    reply = {"role": "assistant", "content": f"Answer: {answer}"}
+    if text:
+        reply["reasoning_content"] = text
+    return [*msgs, reply], answer == p.answer
+
+
+def _call_message(h: Harness, kind: str, args: dict, thought: str | None, index: int) -> dict:
+    tool = next((t for t in h.tools if t.kind.name == kind), None)
+    if tool is None:
+        raise ValueError(f"preset {h.preset.name!r} has no tool of kind {kind!r}; its tools: {h.tool_names()}")
+    public = {tool.rename[k]: v for k, v in args.items()}
+    msg = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": f"call_{index}", "type": "function", "function": {"name": tool.name, "arguments": public}}
+    ]}
+    if thought:
+        msg["reasoning_content"] = thought
+    return msg
+
+
+async def _agentic(task: Task, effort: str, h: Harness, budgets, err: bool, rng, local: LocalWorkdirs):
+    steps = agentic.solution(task) if task.domain == "agentic" else coding.solution(task, check=effort == "high")
+    correct = True
+    if err and task.domain == "coding" and task.meta["params"]:
+        key = rng.choice(sorted(task.meta["params"]))
+        bumped = dict(task.meta["params"])
+        bumped[key] = bumped[key] + 1 if isinstance(bumped[key], int) else "z"
+        fam = coding.BY_NAME[task.meta["family"]]
+        code = f"def {fam.name}({fam.signature}):\n    return {fam.body.format(**bumped)}\n"
+        steps = [coding.Step("write", {"path": "solution.py", "content": code}, steps[0].thought), *steps[1:]]
+        correct = False
+    msgs = h.start(task.prompt, effort=effort, budget=budgets[effort])
+    sid = local.create(task.files)
+    try:
+        ctx = h.context(local, sid)
+        for i, step in enumerate(steps):
+            args = dict(step.args)
+            if step.tool == "submit" and err and task.domain == "agentic":
+                args["answer"] = _corrupt_answer(args["answer"], rng)
+                correct = False
+            parsed = h.parse(h.assistant_text(_call_message(h, step.tool, args, _thought(effort, i, step.thought), i)))
+            if parsed.error or len(parsed.calls) != 1:
+                raise RuntimeError(f"{task.task_id}: the demonstrated call does not parse back: {parsed.error}")
+            msgs.append(parsed.message())
+            result = await h.execute(parsed, ctx)
+            msgs += result.messages
+            if result.submitted is not None:
+                break
+    finally:
+        local.kill(sid)
+    return msgs, correct
+
+
+async def build_demos_async(
+    domain: str,
+    n: int,
+    *,
+    tokenizer=None,
+    error_rate: float = 0.15,
+    seed: int = 0,
+    budgets: dict[str, int] | None = None,
+    preset: str | None = None,
+    start: int = 0,
+    concurrency: int = 8,
+) -> list[Demo]:
+    budgets = budgets or DEFAULT_BUDGETS
+    preset = preset or DOMAIN_PRESETS[domain]
+    h = Harness(preset, tokenizer=tokenizer)
+    rng = random.Random(f"demos|{domain}|{seed}")
+    plan = [(t, rng.choice(EFFORTS), rng.random() < error_rate, random.Random(rng.random()))
+            for t in get_tasks(domain, "train", n, start=start)]
+    local = LocalWorkdirs(workdir=h.preset.workdir)
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(task, effort, err, r):
+        async with sem:
+            if domain == "general":
+                msgs, ok = _general(task, effort, h, budgets, err, r)
+            else:
+                msgs, ok = await _agentic(task, effort, h, budgets, err, r, local)
+            return Demo(task.task_id, domain, effort, preset, msgs, ok)
+
+    try:
+        return list(await asyncio.gather(*(one(*p) for p in plan)))
+    finally:
+        local.close()
+
+
+def build_demos(domain: str, n: int, **kwargs) -> list[Demo]:
+    return asyncio.run(build_demos_async(domain, n, **kwargs))
