@@ -16,7 +16,7 @@ def arithmetic_batch(generator, batch=4, length=32, modulus=64, offset=10):
 def test_k3_tiny_loss_halves_in_200_adamw_steps():
     torch.manual_seed(0)
     model = K3ForCausalLM(K3Config.preset("k3-tiny")).train()
-    assert model.model.layers[0].self_attn.chunk_size == 64
+    assert model.model.layers[0].self_attn.cpu_chunk_size == 16
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     gen = torch.Generator().manual_seed(1)
     losses = []
