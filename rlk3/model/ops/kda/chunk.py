@@ -30,7 +30,6 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from rlk3.model.ops import flush_denormals_on_cpu
 from rlk3.model.ops.kda._args import Shapes, check_inputs, compute_dtype, preprocess, state_in, state_out
 
 CHUNK_SIZES = (16, 32, 64)
@@ -168,8 +167,6 @@ def torch_chunk_kda(
         allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound, A_log=A_log,
         dt_bias=dt_bias, fn="chunk_kda",
     )
-    if not q.is_cuda:
-        flush_denormals_on_cpu()
     dtype = compute_dtype(q, k, v, g, beta, initial_state)
     qf, kf, vf, gf, bf = preprocess(
         q, k, v, g, beta, shapes=shapes, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
