@@ -118,7 +118,7 @@ class Harness:
         self._schemas = [t.schema() for t in tools]
         freeform = [t.name for t in tools if t.kind.name == "apply_patch"]
         self.syntax = get_syntax(p.syntax, freeform=tuple(freeform), max_calls=p.limits.max_calls_per_turn)
-        self.template_kwargs = {"tool_syntax": p.syntax, "freeform_tools": freeform}
+        self.template_kwargs = {"tool_syntax": p.syntax, "freeform_tools": freeform, "tool_list": p.tool_list}
         self.skills = SkillLibrary.load(*skills_dirs).subset(list(p.skills))
         if p.memory.enabled and memory_dir is None:
             raise ValueError(

@@ -87,6 +87,7 @@ class Preset:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     subagents: SubagentConfig = field(default_factory=SubagentConfig)
     limits: Limits = field(default_factory=Limits)
+    tool_list: Literal["json", "compact"] = "json"  # compact: one line per tool (small models, CPU runs)
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "preset") -> Preset:

@@ -69,6 +69,7 @@ class SFTConfig:
     max_length: int = 384
     warmup_ratio: float = 0.05
     demo_error_rate: float = 0.15  # demonstrations are imperfect on purpose: RL needs headroom
+    vocab_size: int = 4096  # the tokenizer trained on the demonstrations (k3-tiny's vocab)
 
 
 @dataclass
@@ -118,6 +119,7 @@ class ClusterConfig:
     num_gpus: int = 0
     sandbox_url: str | None = None  # None: start the local sandbox server; else an E2B-compatible URL
     sandbox_api_key: str | None = None
+    cpu_threads: int = 0  # torch intra-op threads per process on CPU (0: torch's default)
 
 
 @dataclass
@@ -264,6 +266,8 @@ def validate(cfg: Config) -> None:
     _range("sft.lr", cfg.sft.lr, 0, lo_open=True)
     _range("sft.batch_size", cfg.sft.batch_size, 1)
     _range("sft.demo_error_rate", cfg.sft.demo_error_rate, 0, 1)
+    _range("sft.vocab_size", cfg.sft.vocab_size, 300)
+    _range("sft.max_length", cfg.sft.max_length, 16)
     r = cfg.rollout
     _range("rollout.lam", r.lam, 0, 1, lo_open=True)
     _range("rollout.group_size", r.group_size, 1)

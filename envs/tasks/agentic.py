@@ -124,6 +124,7 @@ def _build(split: str, index: int, kind: str | None):
 
 
 def task(split: str, index: int, kind: str | None = None) -> Task:
+    kind_arg = kind
     kind, prompt, files, answer, _ = _build(split, index, kind)
     return Task(
         task_id=f"agentic/{split}/{index}",
@@ -134,14 +135,15 @@ def task(split: str, index: int, kind: str | None = None) -> Task:
         files=files,
         max_turns=6,
         difficulty=KINDS.index(kind),
-        meta={"kind": kind},
+        meta={"kind": kind, "kind_forced": kind_arg is not None},
     )
 
 
 def solution(t: Task) -> list[Step]:
     """The reference moves for a task built by :func:`task` (for SFT demonstrations)."""
     _, split, index = t.task_id.split("/")
-    _, prompt, files, _, steps = _build(split, int(index), t.meta["kind"])
+    # rebuild exactly as task() did: a forced kind changes which redraw lands in the split
+    _, prompt, files, _, steps = _build(split, int(index), t.meta["kind"] if t.meta.get("kind_forced") else None)
     if prompt != t.prompt or files != t.files:
         raise ValueError(f"{t.task_id}: the task does not come from agentic.task(); no reference solution")
     return steps

@@ -53,7 +53,7 @@ def run_solution(task, tmp_path):
 
 
 def test_agentic_solutions_match_tasks_drawn_without_a_kind(tmp_path):
-    for i, t in enumerate(get_tasks("agentic", "train", 12)):
+    for i, t in enumerate(get_tasks("agentic", "train", 40)):
         case = tmp_path / str(i)
         case.mkdir()
         assert run_solution(t, case)[-1] == t.grading["answer"]

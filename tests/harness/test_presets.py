@@ -28,7 +28,11 @@ def test_every_registered_preset_loads_builds_and_renders(name, tok, tmp_path):
     msgs = h.start("Say hi.", effort="high", budget=100, group="g")
     text = h.render_text(msgs)
     for tool in h.tool_schemas():
-        assert f'"name": "{tool["function"]["name"]}"' in text
+        f = tool["function"]
+        if p.tool_list == "compact":  # one line per tool: NAME(params): description
+            assert f'{f["name"]}({", ".join(f["parameters"]["properties"])}): {f["description"]}' in text
+        else:
+            assert f'"name": "{f["name"]}"' in text
     assert "Reasoning effort: high" in text and "Token budget: 100 tokens" in text
     assert h.count_tokens(msgs) < 4000
 

@@ -1,0 +1,1 @@
+"""Training: the SFT stage, the RL trainer (optimizer, QB bias updates), checkpoints."""
