@@ -155,7 +155,7 @@ def test_one_loader_for_names_yaml_paths_dotted_paths_and_dicts(tmp_path, monkey
         load_object("my_agents.missing")
     with pytest.raises(ValueError, match="cannot import module 'no_such_mod'"):
         load_object("no_such_mod.X")
-    with pytest.raises(ValueError, match=r"unknown preset 'gemini': registered presets are claude_code, codex,"):
+    with pytest.raises(ValueError, match=r"unknown preset 'gemini': registered presets are chat, claude_code, codex,"):
         load_preset("gemini")
     with pytest.raises(ValueError, match=r"preset file nowhere/x\.yaml does not exist"):
         load_preset("nowhere/x.yaml")

@@ -59,7 +59,7 @@ def _value(draw, schema: dict):
 @st.composite
 def assistant_turns(draw, h: Harness):
     calls = []
-    for _ in range(draw(st.integers(0, 3))):
+    for _ in range(draw(st.integers(0, 3 if h.tools else 0))):  # a tool-less preset (chat) answers in text
         tool = draw(st.sampled_from(h.tools))
         params = tool.parameters()
         args = {}
@@ -129,7 +129,7 @@ def _pool(harnesses, n: int = 60) -> list[tuple[str, str]]:
     for name, h in harnesses.items():
         for _ in range(n):
             calls = []
-            for _ in range(rng.randint(1, 3)):
+            for _ in range(rng.randint(1, 3) if h.tools else 0):  # a tool-less preset contributes plain text
                 tool = rng.choice(h.tools)
                 params = tool.parameters()
                 args = {}
