@@ -22,12 +22,21 @@ def main(argv: list[str] | None = None) -> int:
         help="registry, disk image and CRIU images live here; a restart with the same --state keeps "
         "paused sandboxes and snapshots",
     )
-    s.add_argument("--backend", choices=("bwrap",), default="bwrap")
     s.add_argument(
-        "--disk-gb", type=int, default=64, help="size of the sparse btrfs image holding all layers"
+        "--backend",
+        choices=("bwrap", "gvisor"),
+        default="bwrap",
+        help="what runs sandboxes by default: bubblewrap on the host kernel, or gVisor's user-space kernel "
+        '(runsc); one create request picks the other with metadata {"rlk3.backend": "gvisor"}',
     )
+    s.add_argument("--disk-gb", type=int, default=64, help="size of the sparse btrfs image holding all layers")
+    s.add_argument("--criu", default=None, help="path of the criu binary (default: .cache/criu/criu, then PATH)")
+    s.add_argument("--runsc", default=None, help="path of runsc (default: .cache/runsc/usr/bin/runsc, then PATH)")
     s.add_argument(
-        "--criu", default=None, help="path of the criu binary (default: .cache/criu/criu, then PATH)"
+        "--gvisor-platform",
+        choices=("systrap", "ptrace"),
+        default="systrap",
+        help="gVisor's way of intercepting system calls (systrap: faster syscalls; ptrace: faster fork/exec)",
     )
     s.add_argument(
         "--pause",
@@ -65,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         backend=args.backend,
         disk_gb=args.disk_gb,
         criu=args.criu,
+        runsc=args.runsc,
+        gvisor_platform=args.gvisor_platform,
         default_pause=args.pause,
         on_exit=args.on_exit,
         max_sandboxes=args.max_sandboxes,

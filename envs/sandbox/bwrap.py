@@ -37,6 +37,7 @@ from .host import (
     set_readonly,
     subvol_create,
     subvol_delete,
+    subvol_snapshot,
 )
 
 HOST_RO = ("usr", "bin", "lib", "lib32", "lib64", "libx32", "sbin")
@@ -244,7 +245,7 @@ class BwrapBackend:
 
     def build_base_layer(self) -> str:
         """The skeleton every sandbox starts from: empty mountpoints, merged-usr links, a copied /etc."""
-        h = hashlib.sha256(f"rlk3-base-v2-{ID_MAP}".encode())
+        h = hashlib.sha256(f"rlk3-base-v3-{ID_MAP}".encode())
         for name in sorted(ETC_ALLOW):
             p = Path("/etc") / name
             if p.is_file() and not p.is_symlink():
@@ -262,6 +263,7 @@ class BwrapBackend:
         for d in (
             "proc",
             "dev",
+            "sys",  # gVisor mounts a sysfs there; bwrap leaves it empty
             "tmp",
             "var/tmp",
             "run/rlk3",
@@ -322,6 +324,7 @@ class BwrapBackend:
         then: list[str],
         info_fd: int | None = None,
         extra_fds: tuple[int, ...] = (),
+        stderr: int | None = None,
     ) -> int:
         # In the launcher's private mount namespace the sandbox's root is mounted at a fixed path,
         # /run/rlk3-sbx-<tag>/root (one mount per namespace, so sandboxes never collide): bwrap runs as the
@@ -351,7 +354,7 @@ class BwrapBackend:
             *then,
         ]
         fds = tuple(fd for fd in (info_fd, *extra_fds) if fd is not None)
-        return self.reaper.spawn(argv, env=env, setsid=True, pass_fds=fds)
+        return self.reaper.spawn(argv, env=env, setsid=True, pass_fds=fds, stderr=stderr)
 
     def _bwrap_argv(self, sid: str, info_fd: int) -> list[str]:
         argv = [
@@ -429,7 +432,30 @@ class BwrapBackend:
         _protect(pid)
         return pid
 
-    async def dump(self, sid: str, pid: int, image: str, *, leave_running: bool = False) -> float:
+    @property
+    def live_checkpoint(self) -> bool:
+        return self.criu is not None
+
+    async def checkpoint_live(self, sid: str, pid: int, image: str, upper: str, layer: str) -> None:
+        """Dump the tree into images/<image> and copy its disk into layers/<layer>, at one instant, and leave
+        it running on its own disk: what fork and snapshot need, without stopping and restoring the source.
+
+        The cgroup freezer stops the whole tree; while it is stopped btrfs snapshots the upper layer (copy on
+        write, constant time) and CRIU seizes the tree (``--freeze-cgroup`` on an already frozen cgroup: it
+        seizes, dumps, and leaves the cgroup frozen again); then the tree thaws."""
+        self.cgroups.freeze(sid, True)
+        try:
+            subvol_snapshot(self.upper_path(upper), self.layer_path(layer))
+            await self.dump(sid, pid, image, leave_running=True, freeze_cgroup=str(self.cgroups.v2 / sid))
+        except BaseException:
+            self.delete_layer(layer)
+            raise
+        finally:
+            self.cgroups.freeze(sid, False)
+
+    async def dump(
+        self, sid: str, pid: int, image: str, *, leave_running: bool = False, freeze_cgroup: str | None = None
+    ) -> float:
         """CRIU-dump the tree rooted at ``pid`` into images/<image>; returns seconds taken."""
         if not self.criu:
             raise HostError("CRIU is not available: run `make system` to build CRIU 4.1.1 into .cache/criu/")
@@ -450,6 +476,8 @@ class BwrapBackend:
         ]
         if leave_running:
             argv.append("--leave-running")
+        if freeze_cgroup:
+            argv += ["--freeze-cgroup", freeze_cgroup]
         t = time.perf_counter()
         code, _ = await self.reaper.run(argv, check=False, timeout=120)
         if code != 0:
@@ -490,7 +518,7 @@ class BwrapBackend:
         _protect(pid)
         return pid
 
-    def wake(self, pid: int) -> None:
+    async def wake(self, sid: str, pid: int) -> None:
         """SIGUSR1 tells a held agent (after detach or restore) to reconnect now."""
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGUSR1)
