@@ -42,8 +42,11 @@ from pathlib import Path
 from .bwrap import HOST_RO, ID_COUNT, ID_SHIFT, BwrapBackend
 from .host import HostError, Limits
 
-# the Sentry, the Gofer and the guest's own host stub processes share the pids cgroup; the guest itself is
-# held to Limits.pids by RLIMIT_NPROC, so this is headroom for gVisor's threads, never the guest's limit
+# The Sentry, the Gofer and the guest's host stubs share the pids cgroup: under systrap every guest process
+# costs a host stub process and every guest thread a host "sysmsg" thread. The guest itself is held to
+# Limits.pids by RLIMIT_NPROC; the host limit sits well above that (a Sentry refused a host task panics and
+# the whole sandbox dies), so it only guards the host against a runaway Sentry.
+HOST_TASKS_PER_GUEST = 4
 HOST_PIDS_HEADROOM = 512
 # capabilities of the agent (and of commands run as root): Docker's default set. No CAP_SYS_ADMIN or
 # CAP_SYS_RESOURCE, so RLIMIT_NPROC holds for root inside as well.
@@ -199,7 +202,7 @@ class GvisorBackend:
             raise HostError(self.available)
         cid = f"{sid}-{secrets.token_hex(3)}"
         self.cids[sid] = cid
-        procs = self.cgroups.create(sid, limits, pids_max=limits.pids + HOST_PIDS_HEADROOM)
+        procs = self.cgroups.create(sid, limits, pids_max=HOST_TASKS_PER_GUEST * limits.pids + HOST_PIDS_HEADROOM)
         bundle = self._bundle(cid, sid, limits)
         log = bundle / "runsc.err"
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
