@@ -51,6 +51,13 @@ def main(argv: list[str] | None = None) -> int:
         help="what happens to running sandboxes when the server stops",
     )
     s.add_argument("--max-sandboxes", type=int, default=1000)
+    s.add_argument(
+        "--pool",
+        type=int,
+        default=2,
+        help="warm sandboxes kept booted per (template, backend) once used, so create only hands one out "
+        "(0: boot on every create)",
+    )
     s.add_argument("--max-upload-mb", type=int, default=100)
     s.add_argument(
         "--api-key",
@@ -79,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         default_pause=args.pause,
         on_exit=args.on_exit,
         max_sandboxes=args.max_sandboxes,
+        pool=args.pool,
     )
     app = build_app(manager, api_key=args.api_key, max_upload_mb=args.max_upload_mb)
     uvicorn.run(

@@ -152,6 +152,12 @@ class GvisorBackend:
             "--host-uds",
             "open",  # the agent's socket; the sandbox's mounts hold no other host socket
             "--ignore-cgroups",  # the launcher already put everything in the sandbox's own cgroups
+            # RLK3_RUNSC_DEBUG=<dir> keeps runsc's own debug logs there (one set per command)
+            *(
+                [f"--debug-log={os.environ['RLK3_RUNSC_DEBUG'].rstrip('/')}/"]
+                if os.environ.get("RLK3_RUNSC_DEBUG")
+                else []
+            ),
         ]
 
     def _bundle(self, cid: str, sid: str, limits: Limits) -> Path:

@@ -36,7 +36,12 @@ private_apt() {  # $1 = name, $2 = sources text; prints the apt options to use
 
 # ---- CRIU 4.1.1
 CRIU_SHA256=f80a66cb3726bb2116266d4759ce3bcbfab7abdb6b6d430bf20dd41911717afe
-if ! [ -x .cache/criu/criu ] || ! .cache/criu/criu --version 2>/dev/null | grep -q "Version: 4.1.1"; then
+# CRIU probes the kernel's features on every run (~15-40 ms here) unless it may cache them in a file on a
+# tmpfs under RUNDIR; /run is not a tmpfs on these machines, /dev/shm is. The server creates this directory
+# (root, 0700) at start: envs/sandbox/bwrap.py CRIU_KDAT_DIR must name the same path.
+CRIU_RUNDIR=/dev/shm/rlk3-criu
+if ! [ -x .cache/criu/criu ] || ! .cache/criu/criu --version 2>/dev/null | grep -q "Version: 4.1.1" \
+   || ! grep -qa "$CRIU_RUNDIR/criu.kdat" .cache/criu/criu; then
   opts=$(private_apt trixie-src "deb-src http://deb.debian.org/debian trixie main")
   # shellcheck disable=SC2086
   apt-get $opts update -q >/dev/null
@@ -49,7 +54,8 @@ if ! [ -x .cache/criu/criu ] || ! .cache/criu/criu --version 2>/dev/null | grep 
   echo "$CRIU_SHA256  $tarball" | sha256sum -c --quiet
   tar -C "$work" -xf "$tarball"
   echo "sandbox: building CRIU 4.1.1 (about 30-50 s)"
-  make -C "$work/criu-4.1.1" -j"$(nproc)" criu >"$work/build.log" 2>&1 || { tail -30 "$work/build.log"; exit 1; }
+  make -C "$work/criu-4.1.1" -j"$(nproc)" criu RUNDIR="$CRIU_RUNDIR" >"$work/build.log" 2>&1 \
+    || { tail -30 "$work/build.log"; exit 1; }
   mkdir -p .cache/criu
   install -m 755 "$work/criu-4.1.1/criu/criu" .cache/criu/criu
   rm -rf "$work"

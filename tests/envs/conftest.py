@@ -69,8 +69,11 @@ class Server:
         root = Path("/run") / self.tag / "gv"
         return [p for p in root.glob(f"*{sid}-*")] if root.exists() else []
 
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=10).json()
+
     def backends(self) -> list[str]:
-        return httpx.get(self.url + "/health", timeout=10).json()["backends"]
+        return self.health()["backends"]
 
     def api(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"X-API-KEY": "test"}, timeout=120)

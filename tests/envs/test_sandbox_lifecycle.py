@@ -380,3 +380,33 @@ def test_rlk3_client_contract(server):
             await c.kill(sid)
 
     run(go())
+
+
+def test_warm_pool_hands_out_fresh_booted_sandboxes(server, backend):
+    """After a template's first use the server keeps two sandboxes of it booted; create hands one out."""
+
+    async def go():
+        first = await AsyncSandbox.create(metadata=on(backend))
+        await first.files.write("/home/user/mine.txt", "first's")
+        await first.kill()
+        for _ in range(300):  # the pool refills in the background
+            warm = set(server.health()["pooled"].get(f"base/{backend}", []))
+            if len(warm) >= 2:
+                break
+            await asyncio.sleep(0.1)
+        assert len(warm) == 2, warm
+        listed = {s["sandboxID"] for s in server.api().get("/v2/sandboxes").json()}
+        assert not warm & listed  # waiting sandboxes are nobody's: not listed, not in the registry
+        sbx = await AsyncSandbox.create(metadata=on(backend, job="warm"), envs={"FOO": "bar"})
+        try:
+            assert sbx.sandbox_id in warm, f"{sbx.sandbox_id} was booted on demand although {warm} waited"
+            assert server.rec(sbx.sandbox_id)["backend"] == backend
+            assert (await sbx.get_info()).metadata == on(backend, job="warm")
+            r = await sbx.commands.run("echo $FOO; ls -A /home/user; uname -r")
+            out = r.stdout.split()
+            assert out[0] == "bar" and "mine.txt" not in out  # the request's envs; a fresh disk
+            assert (out[-1] == "4.4.0") == (backend == "gvisor")
+        finally:
+            await sbx.kill()
+
+    run(go())
