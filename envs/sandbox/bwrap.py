@@ -237,6 +237,17 @@ class BwrapBackend:
         os.chown(path / "upper", ID_SHIFT, ID_SHIFT)  # the sandbox's "/" belongs to its own root
         qgroup_limit(path, limits.disk_mb << 20)
 
+    def import_tree(self, upper: str, dest: str, src: Path) -> None:
+        """Copy a host directory into a (stopped) sandbox's upper at ``dest``, owned by the sandbox's root."""
+        target = self.upper_path(upper) / "upper" / dest.lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(src, target, symlinks=True, dirs_exist_ok=True)
+        _shift_ids(target)
+        parent = target.parent  # directories the copy created on the way are the sandbox root's too
+        while parent != self.upper_path(upper) / "upper":
+            os.lchown(parent, ID_SHIFT, ID_SHIFT)
+            parent = parent.parent
+
     def seal(self, upper: str, layer: str) -> None:
         """Turn a writable upper into a read-only layer: a rename and a flag, constant time (no copy)."""
         src = self.upper_path(upper)

@@ -24,7 +24,7 @@ from .bwrap import BwrapBackend
 from .gvisor import GvisorBackend
 from .host import HostError, Limits, Reaper, proc_start_time, subvol_snapshot
 from .link import HDR, AgentError, AgentGone, AgentLink
-from .templates import BUILTIN, TemplateSpec
+from .templates import BUILTIN, ROOT, TemplateSpec
 
 log = logging.getLogger("rlk3.sandbox")
 ENVD_VERSION = "0.6.4"  # the envd protocol level we speak (gates SDK features, see e2b/envd/versions.py)
@@ -407,7 +407,7 @@ class Manager:
         limits = Limits(cpu_count=spec.cpu_count, memory_mb=spec.memory_mb, pids=spec.pids, disk_mb=spec.disk_mb)
         parent_envs = {} if spec.parent is None else dict((await self.template(spec.parent)).envs)
         envs = {**parent_envs, **spec.envs}
-        if not spec.files and not spec.setup:
+        if not spec.files and not spec.setup and not spec.host_dirs:
             return Template(spec.name, digest, parent_layers, envs, asdict(limits))
         sid = f"build-{spec.name}-{digest}"
         rec = SandboxRec(
@@ -425,6 +425,14 @@ class Manager:
         self.host.delete_upper(sid)
         self.host.new_upper(sid, limits)
         try:
+            for dst, src in spec.host_dirs.items():
+                if not (ROOT / src).is_dir():
+                    raise ApiError(
+                        500,
+                        f"building template '{spec.name}': {src} is missing; run `make system` "
+                        "(scripts/setup.d/sandbox.sh fills it)",
+                    )
+                await asyncio.to_thread(self.host.import_tree, sid, dst, ROOT / src)
             await self._launch(live)
             for path, content in spec.files.items():
                 await self._write(live.link, path, content.encode(), "root")

@@ -74,4 +74,26 @@ if ! [ -x .cache/runsc/usr/bin/runsc ]; then
   dpkg -x "$work"/runsc_*.deb .cache/runsc
   rm -rf "$work"
 fi
+# ---- the node template's offline npm cache: every package of envs/sandbox/node-web (a Vite + React app),
+# tarballs and registry metadata, fetched here (sandboxes have no network) and copied into the template
+WEB=envs/sandbox/node-web
+web_stamp=.cache/npm-web/done-$(cat "$WEB/package.json" "$WEB/package-lock.json" | sha1sum | cut -c1-12)
+if ! [ -f "$web_stamp" ]; then
+  rm -rf .cache/npm-web
+  mkdir -p .cache/npm-web/cache
+  work=$(mktemp -d)
+  cp "$WEB/package.json" "$WEB/package-lock.json" "$work"/
+  # the lockfile's tarballs (only this platform's optional binaries: esbuild's and rollup's linux-x64)
+  (cd "$work" && npm ci --ignore-scripts --no-audit --no-fund --cache "$ROOT/.cache/npm-web/cache" >/dev/null)
+  # and each installed package's metadata, so `npm install <name>@<version> --offline` resolves by name
+  specs=$(cd "$work" && node -e '
+    const l = require("./package-lock.json"), fs = require("fs");
+    for (const [p, v] of Object.entries(l.packages))
+      if (p && fs.existsSync(p)) console.log(`${v.name || p.split("node_modules/").pop()}@${v.version}`);')
+  # shellcheck disable=SC2086
+  npm cache add $specs --cache "$ROOT/.cache/npm-web/cache" >/dev/null
+  rm -rf "$work"
+  touch "$web_stamp"
+fi
+
 echo "sandbox: bwrap $(bwrap --version | cut -d' ' -f2), $(.cache/criu/criu --version | head -1), runsc $(.cache/runsc/usr/bin/runsc --version 2>/dev/null | head -1 | awk '{print $3}')"

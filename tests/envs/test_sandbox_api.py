@@ -181,6 +181,7 @@ def test_templates_are_built_once_and_work(server, template):
                     "node -e \"console.log(require('rlk3-hello')())\""
                 )
                 assert r.stdout.strip() == "hello from the offline cache"
+                await _vite_app_builds_offline(sbx)
         finally:
             await sbx.kill()
         layers = sorted(
@@ -221,3 +222,38 @@ def test_gvisor_as_the_server_default_and_what_a_snapshot_can_start_under(tmp_pa
             await s.kill()
 
     asyncio.run(go())
+
+
+VITE_CONFIG = """import { defineConfig } from 'vite'
+import react from '@vitejs/plugin-react'
+export default defineConfig({ plugins: [react()] })
+"""
+MAIN_JSX = """import { createRoot } from 'react-dom/client'
+function App() { return <h1>built offline by rlk3</h1> }
+createRoot(document.getElementById('root')).render(<App />)
+"""
+INDEX_HTML = """<!doctype html>
+<html><body><div id="root"></div><script type="module" src="/src/main.jsx"></script></body></html>
+"""
+
+
+async def _vite_app_builds_offline(sbx: AsyncSandbox) -> None:
+    """The node template's offline cache builds a Vite + React app (sandboxes have no network at all)."""
+    await sbx.files.write("/home/user/web/vite.config.js", VITE_CONFIG)
+    await sbx.files.write("/home/user/web/src/main.jsx", MAIN_JSX)
+    await sbx.files.write("/home/user/web/index.html", INDEX_HTML)
+    r = await sbx.commands.run(
+        "cd web && cp /opt/rlk3-web/package.json /opt/rlk3-web/package-lock.json . && "
+        "npm ci --offline --no-audit --no-fund >/dev/null && npx vite build >/dev/null && "
+        "ls dist && grep -l 'built offline by rlk3' dist/assets/*.js",
+        timeout=300,
+    )
+    assert "index.html" in r.stdout and "dist/assets/index-" in r.stdout, r.stdout
+    # by name too: the cache holds the registry metadata of every package it carries
+    r = await sbx.commands.run(
+        "mkdir byname && cd byname && npm init -y >/dev/null && "
+        "npm install --offline --no-audit --no-fund react@18.3.1 react-dom@18.3.1 >/dev/null && "
+        "node -e \"console.log(require('react-dom/package.json').version)\"",
+        timeout=120,
+    )
+    assert r.stdout.strip() == "18.3.1"
