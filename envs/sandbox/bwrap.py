@@ -107,7 +107,8 @@ exec /usr/bin/nsenter -t "$CRTOOLS_INIT_PID" -n /usr/sbin/ip link set lo up
 """
 # Sandbox ids 0..65535 are host ids 100000..165535: root in a sandbox is an unprivileged host user, so even
 # where the kernel checks only file ownership (e.g. sysctls under /proc/sys), it is not the host's root. The
-# map is wide because CRIU restores net sysctls such as ping_group_range ("1 0") that need gid 1 mapped.
+# map is wide because sandboxes use many ids (root, user 1000, nobody, and whatever a setup script creates)
+# and the gVisor backend uses the same map, so layers read the same under both.
 ID_SHIFT = 100000
 ID_COUNT = 65536
 ID_MAP = f"0 {ID_SHIFT} {ID_COUNT}"
