@@ -125,7 +125,7 @@ class GvisorBackend:
         os.chown(self.agent_dir, ID_SHIFT, ID_SHIFT)
         os.chmod(self.agent_dir, 0o700)
         shutil.copyfile(Path(__file__).with_name("agent.py"), self.agent_dir / "agent.py")
-        # containers from a previous run: forget() drops those whose sandbox is gone (see Manager._gc)
+        # containers from a previous run: forget_others() drops those whose sandbox is gone (Manager._gc)
         for state in self.root.glob("*_sandbox:*.state"):
             cid = state.name.split("_sandbox:", 1)[0]
             self.cids.setdefault(cid.rsplit("-", 1)[0], cid)
