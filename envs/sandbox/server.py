@@ -289,6 +289,7 @@ def build_app(manager: Manager, *, api_key: str | None = None, max_upload_mb: in
                 "backends": [n for n, be in m.backends.items() if not getattr(be, "available", None)],
                 "sandboxes": len(m.live),
                 "pooled": m.pooled(),  # warm sandboxes not yet handed out (not listed as sandboxes)
+                "warming": sorted(m.warming),  # and those still booting
             }
         )
 

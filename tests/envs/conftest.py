@@ -134,7 +134,7 @@ def kill_all(server: Server) -> None:
             c.delete(f"/sandboxes/{s['sandboxID']}")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped (with its warm pools) before the rest of the suite runs
 def server(tmp_path_factory):
     if os.geteuid() != 0:
         pytest.fail("the sandbox tests need root (namespaces, cgroups, mounts): run them as root, as CI does")
