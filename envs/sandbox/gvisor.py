@@ -23,8 +23,9 @@ cgroups, so freeze, kill, CPU and memory limits work exactly as for bwrap (runsc
   disk, like CRIU for bwrap; fork and snapshot restore one checkpoint several times.
 - Ids: the container's uid/gid map is the bwrap backend's (sandbox 0..65535 = host 100000..165535), so both
   backends read the same layers and the Gofer and Sentry run as an unprivileged host uid.
-- Limits: memory is the sandbox cgroup's limit on Sentry + Gofer together; a guest that exceeds it gets the
-  *whole sandbox* killed by the host's OOM killer (gVisor has no OOM killer of its own to pick one process).
+- Limits: memory is the sandbox cgroup's limit on Sentry + Gofer together. gVisor has no OOM killer of its
+  own to pick one process: a guest that outgrows the limit gets ENOMEM when the Sentry's memory file cannot
+  grow, or, when the limit is hit on a page fault, the host's OOM killer takes the Sentry: the *whole sandbox*.
   The process limit is the guest's RLIMIT_NPROC, enforced by the Sentry (a fork fails with EAGAIN); the host
   pids cgroup is set above it, because a Sentry that cannot create a host stub process panics.
 """
