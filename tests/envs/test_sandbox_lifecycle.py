@@ -33,7 +33,16 @@ async def counter(sbx: AsyncSandbox, path: str = "/tmp/counter") -> None:
     raise AssertionError("counter did not start")
 
 
-FETCH = "python3 -c \"import urllib.request as u; print(u.urlopen('http://127.0.0.1:8000/hello.txt').read().decode())\""
+# GET from the sandbox's loopback server, retrying for up to 10 s while it is not listening yet
+FETCH = """python3 - <<'EOF'
+import time, urllib.request
+for _ in range(100):
+    try:
+        print(urllib.request.urlopen("http://127.0.0.1:8000/hello.txt", timeout=5).read().decode())
+        break
+    except OSError:
+        time.sleep(0.1)
+EOF"""
 
 
 async def read_int(sbx: AsyncSandbox, path: str = "/tmp/counter") -> int:
