@@ -27,9 +27,17 @@ host uid (CRIU-restored ones get a namespace of their own but the same id range)
 from one reaches the others. Side channels (CPU caches, timing, /proc/meminfo-style global counters) are
 open. Denial of service is bounded per sandbox but not eliminated: I/O bandwidth is not limited, and the
 agent socket is reachable from inside (connections from anything but the agent are refused). For untrusted
-code that must not share a kernel, use E2B's cloud or AgentENV's microVMs by URL — the same SDK calls work
-against them. (A gVisor backend, a user-space kernel, is planned: runsc is installed by the setup script,
-but the backend is not written yet — see docs/sandbox.md.)
+code that must not share a kernel, use the ``gvisor`` backend (below), or E2B's cloud or AgentENV's microVMs
+by URL — the same SDK calls work against them.
+
+The gvisor backend
+------------------
+``serve --backend gvisor`` (or one create request's metadata ``{"rlk3.backend": "gvisor"}``) runs a sandbox
+on gVisor's user-space kernel (runsc) over the same disk, cgroups and agent (:mod:`envs.sandbox.gvisor`): the
+sandbox's system calls reach gVisor's Sentry, not the host kernel, so a host-kernel bug is no longer one
+system call away. It does not remove the side channels, it shares the host uid range with bwrap sandboxes,
+a memory limit it exceeds may kill the whole sandbox, and process creation is many times slower
+(docs/sandbox.md lists what it does and does not do on this machine).
 """
 
 from .client import ExecResult, SandboxClient, SandboxSettings

@@ -22,12 +22,21 @@ def main(argv: list[str] | None = None) -> int:
         help="registry, disk image and CRIU images live here; a restart with the same --state keeps "
         "paused sandboxes and snapshots",
     )
-    s.add_argument("--backend", choices=("bwrap",), default="bwrap")
     s.add_argument(
-        "--disk-gb", type=int, default=64, help="size of the sparse btrfs image holding all layers"
+        "--backend",
+        choices=("bwrap", "gvisor"),
+        default="bwrap",
+        help="what runs sandboxes by default: bubblewrap on the host kernel, or gVisor's user-space kernel "
+        '(runsc); one create request picks the other with metadata {"rlk3.backend": "gvisor"}',
     )
+    s.add_argument("--disk-gb", type=int, default=64, help="size of the sparse btrfs image holding all layers")
+    s.add_argument("--criu", default=None, help="path of the criu binary (default: .cache/criu/criu, then PATH)")
+    s.add_argument("--runsc", default=None, help="path of runsc (default: .cache/runsc/usr/bin/runsc, then PATH)")
     s.add_argument(
-        "--criu", default=None, help="path of the criu binary (default: .cache/criu/criu, then PATH)"
+        "--gvisor-platform",
+        choices=("systrap", "ptrace"),
+        default="systrap",
+        help="gVisor's way of intercepting system calls (systrap: faster syscalls; ptrace: faster fork/exec)",
     )
     s.add_argument(
         "--pause",
@@ -42,6 +51,13 @@ def main(argv: list[str] | None = None) -> int:
         help="what happens to running sandboxes when the server stops",
     )
     s.add_argument("--max-sandboxes", type=int, default=1000)
+    s.add_argument(
+        "--pool",
+        type=int,
+        default=2,
+        help="warm sandboxes kept booted per (template, backend) once used, so create only hands one out "
+        "(0: boot on every create)",
+    )
     s.add_argument("--max-upload-mb", type=int, default=100)
     s.add_argument(
         "--api-key",
@@ -65,9 +81,12 @@ def main(argv: list[str] | None = None) -> int:
         backend=args.backend,
         disk_gb=args.disk_gb,
         criu=args.criu,
+        runsc=args.runsc,
+        gvisor_platform=args.gvisor_platform,
         default_pause=args.pause,
         on_exit=args.on_exit,
         max_sandboxes=args.max_sandboxes,
+        pool=args.pool,
     )
     app = build_app(manager, api_key=args.api_key, max_upload_mb=args.max_upload_mb)
     uvicorn.run(

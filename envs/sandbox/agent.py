@@ -135,14 +135,25 @@ class Agent:
         env = dict(self.base_env)
         env.update({"HOME": user[2], "USER": m.get("user") or "user", "PWD": cwd})
         env.update(m.get("envs") or {})
-        if m.get("stdin"):
-            in_r, in_w = os.pipe()
-        else:
-            in_r, in_w = os.open("/dev/null", os.O_RDONLY), None
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        chk_r, chk_w = os.pipe2(os.O_CLOEXEC)
-        pid = os.fork()
+        fds = []
+        try:
+            if m.get("stdin"):
+                in_r, in_w = os.pipe()
+            else:
+                in_r, in_w = os.open("/dev/null", os.O_RDONLY), None
+            fds += [in_r] + ([in_w] if in_w is not None else [])
+            out_r, out_w = os.pipe()
+            fds += [out_r, out_w]
+            err_r, err_w = os.pipe()
+            fds += [err_r, err_w]
+            chk_r, chk_w = os.pipe2(os.O_CLOEXEC)
+            fds += [chk_r, chk_w]
+            pid = os.fork()
+        except OSError as e:  # a fork bomb at the process limit, or out of fds: refuse this one, live on
+            for fd in fds:
+                os.close(fd)
+            self.send({"ev": "error", "rid": rid, "code": "resource_exhausted", "message": f"cannot start: {e}"})
+            return
         if pid == 0:  # child: never returns
             try:
                 os.setsid()
@@ -321,9 +332,7 @@ class Agent:
                 self.send({"ev": "ok", "rid": rid, "entry": self.entry(path)})
             elif op == "mkdir":
                 if os.path.lexists(path):
-                    self.send(
-                        {"ev": "error", "rid": rid, "code": "already_exists", "message": f"{path} exists"}
-                    )
+                    self.send({"ev": "error", "rid": rid, "code": "already_exists", "message": f"{path} exists"})
                     return
                 self.makedirs(path, user)
                 self.send({"ev": "ok", "rid": rid, "entry": self.entry(path)})
@@ -448,9 +457,7 @@ class Agent:
         elif op == "input":
             c = self.find(h)
             if c is None or c.stdin is None:
-                self.send(
-                    {"ev": "error", "rid": rid, "code": "not_found", "message": "no such process with stdin"}
-                )
+                self.send({"ev": "error", "rid": rid, "code": "not_found", "message": "no such process with stdin"})
                 return
             os.set_blocking(c.stdin, True)
             try:

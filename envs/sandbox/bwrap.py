@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import time
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from .host import (
     set_readonly,
     subvol_create,
     subvol_delete,
+    subvol_snapshot,
 )
 
 HOST_RO = ("usr", "bin", "lib", "lib32", "lib64", "libx32", "sbin")
@@ -88,13 +90,48 @@ CRIU_COMMON = [
     "--tcp-established",
     "--file-locks",
     "--manage-cgroups=ignore",
+    # A sandbox's network namespace holds nothing but loopback. CRIU would save and restore its addresses,
+    # routes, rules, iptables and sysctls by running ~10 helper programs (ip, iptables-save, ...) on each
+    # dump and restore, the largest part of their time; instead it leaves the namespace's configuration
+    # alone (sockets are still checkpointed), and on restore RESTORE_HOOK brings loopback up again.
+    "--empty-ns",
+    "net",
+    "--network-lock",
+    "skip",
 ]
+# CRIU's action script on restore: bring up loopback in the sandbox's fresh network namespace before any
+# socket in it is restored (CRIU runs the script at every stage; it acts on one)
+RESTORE_HOOK = """#!/bin/sh
+[ "$CRTOOLS_SCRIPT_ACTION" = setup-namespaces ] || exit 0
+exec /usr/bin/nsenter -t "$CRTOOLS_INIT_PID" -n /usr/sbin/ip link set lo up
+"""
 # Sandbox ids 0..65535 are host ids 100000..165535: root in a sandbox is an unprivileged host user, so even
 # where the kernel checks only file ownership (e.g. sysctls under /proc/sys), it is not the host's root. The
-# map is wide because CRIU restores net sysctls such as ping_group_range ("1 0") that need gid 1 mapped.
+# map is wide because sandboxes use many ids (root, user 1000, nobody, and whatever a setup script creates)
+# and the gVisor backend uses the same map, so layers read the same under both.
 ID_SHIFT = 100000
 ID_COUNT = 65536
 ID_MAP = f"0 {ID_SHIFT} {ID_COUNT}"
+
+
+# where CRIU (built by scripts/setup.d/sandbox.sh with RUNDIR set to this) caches its probe of the kernel's
+# features; it keeps the cache only on a tmpfs, and probing anew costs ~15-40 ms on every dump and restore
+CRIU_KDAT_DIR = Path("/dev/shm/rlk3-criu")
+
+
+def ensure_kdat_dir() -> None:
+    """A root-only directory for CRIU's cache; anything else in its place (made by another user) goes."""
+    try:
+        st = os.lstat(CRIU_KDAT_DIR)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o077:
+            if stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(CRIU_KDAT_DIR)
+            else:
+                CRIU_KDAT_DIR.unlink()
+            raise FileNotFoundError
+    except FileNotFoundError:
+        with contextlib.suppress(OSError):  # no /dev/shm: CRIU still works, only slower
+            CRIU_KDAT_DIR.mkdir(mode=0o700)
 
 
 def find_criu(explicit: str | None = None) -> str | None:
@@ -145,6 +182,11 @@ class BwrapBackend:
             d.mkdir(parents=True, exist_ok=True)
         os.chmod(self.view, 0o755)
         shutil.copyfile(Path(__file__).with_name("agent.py"), self.run_dir / "agent.py")
+        if self.criu:
+            ensure_kdat_dir()
+            hook = self.run_dir.parent / "criu-restore-hook"  # outside run_dir: sandboxes never see it
+            hook.write_text(RESTORE_HOOK)
+            os.chmod(hook, 0o755)
         self._start_userns_holder()
 
     def _start_userns_holder(self) -> None:
@@ -188,7 +230,7 @@ class BwrapBackend:
         if unmount:
             await release_disk(self.reaper, self.disk)
         self.cgroups.remove_tree()  # only succeeds once no sandbox leaf is left
-        for f in ("agent.py", "agent.sock"):
+        for f in ("agent.py", "agent.sock", "../criu-restore-hook"):
             with contextlib.suppress(OSError):
                 (self.run_dir / f).unlink()
         for d in (self.view / "root", self.run_dir, self.view):
@@ -212,6 +254,17 @@ class BwrapBackend:
         (path / "work").mkdir()
         os.chown(path / "upper", ID_SHIFT, ID_SHIFT)  # the sandbox's "/" belongs to its own root
         qgroup_limit(path, limits.disk_mb << 20)
+
+    def import_tree(self, upper: str, dest: str, src: Path) -> None:
+        """Copy a host directory into a (stopped) sandbox's upper at ``dest``, owned by the sandbox's root."""
+        target = self.upper_path(upper) / "upper" / dest.lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(src, target, symlinks=True, dirs_exist_ok=True)
+        _shift_ids(target)
+        parent = target.parent  # directories the copy created on the way are the sandbox root's too
+        while parent != self.upper_path(upper) / "upper":
+            os.lchown(parent, ID_SHIFT, ID_SHIFT)
+            parent = parent.parent
 
     def seal(self, upper: str, layer: str) -> None:
         """Turn a writable upper into a read-only layer: a rename and a flag, constant time (no copy)."""
@@ -244,7 +297,7 @@ class BwrapBackend:
 
     def build_base_layer(self) -> str:
         """The skeleton every sandbox starts from: empty mountpoints, merged-usr links, a copied /etc."""
-        h = hashlib.sha256(f"rlk3-base-v2-{ID_MAP}".encode())
+        h = hashlib.sha256(f"rlk3-base-v3-{ID_MAP}".encode())
         for name in sorted(ETC_ALLOW):
             p = Path("/etc") / name
             if p.is_file() and not p.is_symlink():
@@ -262,6 +315,7 @@ class BwrapBackend:
         for d in (
             "proc",
             "dev",
+            "sys",  # gVisor mounts a sysfs there; bwrap leaves it empty
             "tmp",
             "var/tmp",
             "run/rlk3",
@@ -322,6 +376,7 @@ class BwrapBackend:
         then: list[str],
         info_fd: int | None = None,
         extra_fds: tuple[int, ...] = (),
+        stderr: int | None = None,
     ) -> int:
         # In the launcher's private mount namespace the sandbox's root is mounted at a fixed path,
         # /run/rlk3-sbx-<tag>/root (one mount per namespace, so sandboxes never collide): bwrap runs as the
@@ -351,7 +406,7 @@ class BwrapBackend:
             *then,
         ]
         fds = tuple(fd for fd in (info_fd, *extra_fds) if fd is not None)
-        return self.reaper.spawn(argv, env=env, setsid=True, pass_fds=fds)
+        return self.reaper.spawn(argv, env=env, setsid=True, pass_fds=fds, stderr=stderr)
 
     def _bwrap_argv(self, sid: str, info_fd: int) -> list[str]:
         argv = [
@@ -429,7 +484,30 @@ class BwrapBackend:
         _protect(pid)
         return pid
 
-    async def dump(self, sid: str, pid: int, image: str, *, leave_running: bool = False) -> float:
+    @property
+    def live_checkpoint(self) -> bool:
+        return self.criu is not None
+
+    async def checkpoint_live(self, sid: str, pid: int, image: str, upper: str, layer: str) -> None:
+        """Dump the tree into images/<image> and copy its disk into layers/<layer>, at one instant, and leave
+        it running on its own disk: what fork and snapshot need, without stopping and restoring the source.
+
+        The cgroup freezer stops the whole tree; while it is stopped btrfs snapshots the upper layer (copy on
+        write, constant time) and CRIU seizes the tree (``--freeze-cgroup`` on an already frozen cgroup: it
+        seizes, dumps, and leaves the cgroup frozen again); then the tree thaws."""
+        self.cgroups.freeze(sid, True)
+        try:
+            subvol_snapshot(self.upper_path(upper), self.layer_path(layer))
+            await self.dump(sid, pid, image, leave_running=True, freeze_cgroup=str(self.cgroups.v2 / sid))
+        except BaseException:
+            self.delete_layer(layer)
+            raise
+        finally:
+            self.cgroups.freeze(sid, False)
+
+    async def dump(
+        self, sid: str, pid: int, image: str, *, leave_running: bool = False, freeze_cgroup: str | None = None
+    ) -> float:
         """CRIU-dump the tree rooted at ``pid`` into images/<image>; returns seconds taken."""
         if not self.criu:
             raise HostError("CRIU is not available: run `make system` to build CRIU 4.1.1 into .cache/criu/")
@@ -445,11 +523,11 @@ class BwrapBackend:
             "-o",
             "dump.log",
             *CRIU_COMMON,
-            "--network-lock",
-            "skip",
         ]
         if leave_running:
             argv.append("--leave-running")
+        if freeze_cgroup:
+            argv += ["--freeze-cgroup", freeze_cgroup]
         t = time.perf_counter()
         code, _ = await self.reaper.run(argv, check=False, timeout=120)
         if code != 0:
@@ -477,6 +555,8 @@ class BwrapBackend:
             "--pidfile",
             str(pidfile),
             *CRIU_COMMON,
+            "--action-script",
+            str(self.run_dir.parent / "criu-restore-hook"),
         ]
         launcher = self._launcher(sid, procs, layers, upper, argv)
         code = await asyncio.wait_for(self.reaper.wait(launcher), 120)
@@ -490,7 +570,7 @@ class BwrapBackend:
         _protect(pid)
         return pid
 
-    def wake(self, pid: int) -> None:
+    async def wake(self, sid: str, pid: int) -> None:
         """SIGUSR1 tells a held agent (after detach or restore) to reconnect now."""
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGUSR1)

@@ -21,15 +21,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .bwrap import BwrapBackend
-from .host import HostError, Limits, Reaper, proc_start_time
+from .gvisor import GvisorBackend
+from .host import HostError, Limits, Reaper, proc_start_time, subvol_snapshot
 from .link import HDR, AgentError, AgentGone, AgentLink
-from .templates import BUILTIN, TemplateSpec
+from .templates import BUILTIN, ROOT, TemplateSpec
 
 log = logging.getLogger("rlk3.sandbox")
 ENVD_VERSION = "0.6.4"  # the envd protocol level we speak (gates SDK features, see e2b/envd/versions.py)
 ID_ALPHABET = string.ascii_lowercase + string.digits
 MAX_FORK = 20
 MAX_TIMEOUT = 24 * 3600
+BACKEND_KEY = "rlk3.backend"  # sandbox metadata key that picks the backend of one create request
 
 
 class ApiError(Exception):
@@ -72,7 +74,8 @@ class SandboxRec:
     agent_pid: int | None = None
     agent_start: int | None = None
     alias: str | None = None
-    generation: int = 0  # bumped on each seal, so upper names stay unique
+    generation: int = 0  # unused since forks and snapshots copy the upper; kept so older records load
+    backend: str = "bwrap"  # bwrap | gvisor: what runs its processes (the disk is the same for both)
 
 
 @dataclass
@@ -86,6 +89,7 @@ class SnapshotRec:
     limits: dict
     envs: dict[str, str]
     created_at: float
+    backend: str = "bwrap"  # a memory image restores only under the backend that made it
 
 
 @dataclass
@@ -132,21 +136,38 @@ class Manager:
         backend: str = "bwrap",
         disk_gb: int = 64,
         criu: str | None = None,
+        runsc: str | None = None,
+        gvisor_platform: str = "systrap",
         default_pause: str = "memory",
         on_exit: str = "pause",
         max_sandboxes: int = 1000,
+        pool: int = 2,
     ) -> None:
         self.state = state.resolve()
         self.reaper = Reaper()
-        if backend == "bwrap":
-            self.backend = BwrapBackend(self.state, self.reaper, disk_gb=disk_gb, criu=criu)
-        else:
-            raise ValueError(f"unknown backend {backend!r}; valid: bwrap (gvisor is not implemented yet)")
+        # the bwrap backend owns the disk (layers, uppers, images) and the cgroup sub-tree; gVisor runs its
+        # processes over the same disk. Templates are always built under bwrap (faster, same layers).
+        self.host = BwrapBackend(self.state, self.reaper, disk_gb=disk_gb, criu=criu)
+        self.backends = {
+            "bwrap": self.host,
+            "gvisor": GvisorBackend(self.host, runsc=runsc, platform=gvisor_platform),
+        }
+        if backend not in self.backends:
+            raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(self.backends)}")
+        self.default_backend = backend
         if default_pause not in ("memory", "freeze"):
             raise ValueError(f"default_pause must be 'memory' or 'freeze', not {default_pause!r}")
         self.default_pause = default_pause
         self.on_exit = on_exit
         self.max_sandboxes = max_sandboxes
+        # warm pool: booted sandboxes waiting per (template, backend), handed out by create; a sandbox's
+        # start-up (namespaces, overlay, the agent's interpreter: ~40-90 ms under bwrap, ~300 ms under
+        # gVisor) then happens before the request instead of during it. Filled on a template's first use.
+        self.pool_size = pool
+        self.pool: dict[tuple[str, str], list[Live]] = {}
+        self.pool_tasks: dict[tuple[str, str], asyncio.Task] = {}
+        self.warming: set[str] = set()  # warm sandboxes still booting (owned by no record yet)
+        self.stopping = False
         self.registry = Registry(self.state / "registry")
         self.live: dict[str, Live] = {}
         self.snapshots: dict[str, SnapshotRec] = {}
@@ -154,25 +175,32 @@ class Manager:
         self.template_locks: dict[str, asyncio.Lock] = {}
         self.expect: dict[int, asyncio.Future] = {}  # agent host PID -> future of its link
         self.base_layer = ""
-        self.server: asyncio.AbstractServer | None = None
+        self.servers: list[asyncio.AbstractServer] = []
         self.tasks: list[asyncio.Task] = []
         self.gc_lock = asyncio.Lock()
 
     # ====================================================================================== start / stop
     async def start(self) -> None:
-        await self.backend.start()
-        self.base_layer = self.backend.build_base_layer()
+        gvisor = self.backends["gvisor"]
+        if self.default_backend == "gvisor" and gvisor.available:
+            raise HostError(f"--backend gvisor: {gvisor.available}")
+        await self.host.start()
+        await gvisor.start()
+        self.base_layer = self.host.build_base_layer()
         for t in self.registry.load("templates", Template):
             self.templates[t.name] = t
         for s in self.registry.load("snapshots", SnapshotRec):
             self.snapshots[s.id] = s
-        sock = self.backend.run_dir / "agent.sock"
-        with contextlib.suppress(FileNotFoundError):
-            sock.unlink()
-        self.server = await asyncio.start_unix_server(
-            self._on_agent, path=str(sock), limit=HDR.size + (64 << 20)
-        )
-        os.chmod(sock, 0o666)
+        socks = [self.host.run_dir / "agent.sock"]
+        if not gvisor.available:
+            socks.append(gvisor.agent_socket())
+        for sock in socks:  # one handler: agents are told apart by their connection's peer PID
+            with contextlib.suppress(FileNotFoundError):
+                sock.unlink()
+            self.servers.append(
+                await asyncio.start_unix_server(self._on_agent, path=str(sock), limit=HDR.size + (64 << 20))
+            )
+            os.chmod(sock, 0o666)
         await self._recover()
         self.tasks.append(asyncio.create_task(self._timeouts()))
 
@@ -184,40 +212,66 @@ class Manager:
             if rec.state == "paused" and rec.pause_kind != "freeze":
                 continue
             alive = rec.agent_pid and proc_start_time(rec.agent_pid) == rec.agent_start
+            be = self._be(rec)
             if alive:
-                fut = asyncio.get_running_loop().create_future()
-                self.expect[rec.agent_pid] = fut
                 if rec.pause_kind == "freeze":
-                    self.backend.thaw(rec.id)
-                self.backend.wake(rec.agent_pid)
+                    be.thaw(rec.id)
                 try:
-                    live.link = await asyncio.wait_for(fut, 5)
+                    live.link = await self._wake(rec, rec.agent_pid, 5)
                     if rec.pause_kind == "freeze":
-                        self.backend.freeze(rec.id)
+                        be.freeze(rec.id)
                     continue
                 except TimeoutError:
-                    self.expect.pop(rec.agent_pid, None)
+                    pass
             log.warning("sandbox %s did not survive the restart; removing it", rec.id)
             await self._destroy(live)
+        # what no record owns (a crash mid-create, warm-pool sandboxes of a server that died): processes and
+        # cgroups first, then writable layers
+        for sid in self.host.cgroups.existing() - set(self.live):
+            log.warning("removing the cgroups (and processes) of unknown sandbox %s", sid)
+            await self.host.cgroups.remove(sid)
+        for upper in self.host.uppers_on_disk() - {live.rec.upper for live in self.live.values()}:
+            self.host.delete_upper(upper)
         await self._gc()
 
     async def stop(self) -> None:
-        for t in self.tasks:
+        self.stopping = True
+        for t in [*self.tasks, *self.pool_tasks.values()]:
             t.cancel()
+        for entries in self.pool.values():  # warm sandboxes hold nothing anyone asked for: they just go
+            while entries:
+                await self._destroy(entries.pop())
         for live in list(self.live.values()):
             if live.rec.state != "running":
                 continue
             try:
-                if self.on_exit == "pause" and self.backend.criu:
-                    await self.pause(live.rec.id, memory=True)
+                if self.on_exit == "pause" and self._can_dump(live.rec.backend):
+                    await self.pause(live.rec.id, memory=True, kind="memory")
                 elif self.on_exit != "keep":
                     await self.kill(live.rec.id)
             except Exception as e:  # a sandbox that cannot be paused is killed: never leave it behind
                 log.warning("could not pause %s on exit (%s); killing it", live.rec.id, e)
                 await self.kill(live.rec.id)
-        if self.server is not None:
-            self.server.close()
-        await self.backend.stop(unmount=self.on_exit != "keep")
+        for server in self.servers:
+            server.close()
+        await self.backends["gvisor"].stop()
+        await self.host.stop(unmount=self.on_exit != "keep")
+
+    def _be(self, rec: SandboxRec):
+        """The backend running this sandbox's processes."""
+        return self.backends[rec.backend]
+
+    def _can_dump(self, backend: str) -> bool:
+        return bool(self.host.criu) if backend == "bwrap" else not self.backends[backend].available
+
+    def backend_for(self, requested: str | None) -> str:
+        name = requested or self.default_backend
+        be = self.backends.get(name)
+        if be is None:
+            raise ApiError(400, f"unknown sandbox backend {name!r}; valid: {', '.join(self.backends)}")
+        if name == "gvisor" and be.available:
+            raise ApiError(400, f"the gvisor backend is not available on this server: {be.available}")
+        return name
 
     # ====================================================================================== agents
     async def _on_agent(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -225,8 +279,16 @@ class Manager:
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         pid, _, _ = struct.unpack("3i", creds)
         fut = self.expect.pop(pid, None)
+        # a freshly booted agent may dial in before the backend has told us its PID (gVisor's runsc returns
+        # only once the container runs): give the expectation a moment to appear
+        for _ in range(100):
+            if fut is not None:
+                break
+            await asyncio.sleep(0.01)
+            fut = self.expect.pop(pid, None)
         if fut is None or fut.done():
             # not an agent we started: a process inside a sandbox poking at the shared socket, or a stale one
+            log.info("refused an agent-socket connection from host PID %d", pid)
             writer.close()
             return
         link = AgentLink(reader, writer, pid)
@@ -255,21 +317,43 @@ class Manager:
         finally:
             self.expect.pop(pid, None)
 
+    async def _wake(self, rec: SandboxRec, pid: int, timeout: float = 15.0) -> AgentLink:
+        """Wake a held agent (after a restore, or a dump that left its tree running) and wait for it to
+        reconnect; wake it again while it does not, since a signal sent while runsc restore is still
+        finishing (it returns before the restored tasks run) can be lost."""
+        loop = asyncio.get_running_loop()
+        fut = self.expect.get(pid)
+        if fut is None:
+            fut = self.expect[pid] = loop.create_future()
+        deadline = loop.time() + timeout
+        delay = 0.05
+        try:
+            while True:
+                with contextlib.suppress(HostError):
+                    await self._be(rec).wake(rec.id, pid)
+                try:
+                    return await asyncio.wait_for(asyncio.shield(fut), delay)
+                except TimeoutError:
+                    if loop.time() > deadline:
+                        raise
+                    delay = min(2 * delay, 1.0)
+        finally:
+            self.expect.pop(pid, None)
+
     async def _launch(self, live: Live, *, image: str | None = None) -> None:
         """Boot (or CRIU-restore) the sandbox's process tree and wait for its agent."""
         rec = live.rec
         limits = Limits(**rec.limits)
+        be = self._be(rec)
         if image is None:
-            pid = await self.backend.boot(rec.id, rec.layers, rec.upper, limits)
+            pid = await be.boot(rec.id, rec.layers, rec.upper, limits)
         else:
-            pid = await self.backend.restore(rec.id, image, rec.layers, rec.upper, limits)
-        fut = asyncio.get_running_loop().create_future()
-        self.expect[pid] = fut
-        if image is not None:
-            self.backend.wake(pid)
+            pid = await be.restore(rec.id, image, rec.layers, rec.upper, limits)
+        self.expect[pid] = asyncio.get_running_loop().create_future()
         try:
-            live.link = await self._await_agent(pid)
+            live.link = await (self._await_agent(pid) if image is None else self._wake(rec, pid))
         except TimeoutError:
+            await be.destroy(rec.id)  # whatever did start must not outlive the failure
             raise HostError(f"the agent of sandbox {rec.id} did not connect") from None
         rec.agent_pid = pid
         rec.agent_start = proc_start_time(pid)
@@ -297,20 +381,17 @@ class Manager:
                 return known
             raise ApiError(
                 404,
-                f"template '{name}' not found; valid templates: {', '.join(self.template_names())}"
-                " or a snapshot ID",
+                f"template '{name}' not found; valid templates: {', '.join(self.template_names())} or a snapshot ID",
             )
         lock = self.template_locks.setdefault(name, asyncio.Lock())
         async with lock:
-            parent_layers = (
-                [self.base_layer] if spec.parent is None else (await self.template(spec.parent)).layers
-            )
+            parent_layers = [self.base_layer] if spec.parent is None else (await self.template(spec.parent)).layers
             digest = spec.digest(parent_layers)
             have = self.templates.get(name)
             if (
                 have is not None
                 and have.digest == digest
-                and all((self.backend.layer_path(la)).exists() for la in have.layers)
+                and all((self.host.layer_path(la)).exists() for la in have.layers)
             ):
                 return have
             t = await self._build(spec, parent_layers, digest)
@@ -323,12 +404,10 @@ class Manager:
         return sorted(set(BUILTIN) | set(self.templates))
 
     async def _build(self, spec: TemplateSpec, parent_layers: list[str], digest: str) -> Template:
-        limits = Limits(
-            cpu_count=spec.cpu_count, memory_mb=spec.memory_mb, pids=spec.pids, disk_mb=spec.disk_mb
-        )
+        limits = Limits(cpu_count=spec.cpu_count, memory_mb=spec.memory_mb, pids=spec.pids, disk_mb=spec.disk_mb)
         parent_envs = {} if spec.parent is None else dict((await self.template(spec.parent)).envs)
         envs = {**parent_envs, **spec.envs}
-        if not spec.files and not spec.setup:
+        if not spec.files and not spec.setup and not spec.host_dirs:
             return Template(spec.name, digest, parent_layers, envs, asdict(limits))
         sid = f"build-{spec.name}-{digest}"
         rec = SandboxRec(
@@ -343,9 +422,17 @@ class Manager:
             end_at=time.time() + 600,
         )
         live = Live(rec)
-        self.backend.delete_upper(sid)
-        self.backend.new_upper(sid, limits)
+        self.host.delete_upper(sid)
+        self.host.new_upper(sid, limits)
         try:
+            for dst, src in spec.host_dirs.items():
+                if not (ROOT / src).is_dir():
+                    raise ApiError(
+                        500,
+                        f"building template '{spec.name}': {src} is missing; run `make system` "
+                        "(scripts/setup.d/sandbox.sh fills it)",
+                    )
+                await asyncio.to_thread(self.host.import_tree, sid, dst, ROOT / src)
             await self._launch(live)
             for path, content in spec.files.items():
                 await self._write(live.link, path, content.encode(), "root")
@@ -354,17 +441,16 @@ class Manager:
                 if code != 0:
                     raise ApiError(
                         500,
-                        f"building template '{spec.name}': setup command {cmd!r} exited {code}: "
-                        f"{out[-2000:]}",
+                        f"building template '{spec.name}': setup command {cmd!r} exited {code}: {out[-2000:]}",
                     )
         finally:
             if live.link is not None:
                 live.link.writer.close()
-            await self.backend.destroy(sid)
+            await self.host.destroy(sid)
         layer = f"tpl-{spec.name}-{digest}"
-        if self.backend.layer_path(layer).exists():
-            self.backend.delete_layer(layer)
-        self.backend.seal(sid, layer)
+        if self.host.layer_path(layer).exists():
+            self.host.delete_layer(layer)
+        self.host.seal(sid, layer)
         return Template(spec.name, digest, [layer, *parent_layers], envs, asdict(limits))
 
     async def _write(self, link: AgentLink, path: str, data: bytes, user: str | None) -> dict:
@@ -375,12 +461,8 @@ class Manager:
         hdr, _ = await link.request("wclose", wid=wid)
         return hdr["entry"]
 
-    async def _run(
-        self, link: AgentLink, cmd: str, *, user: str = "user", timeout: float = 60
-    ) -> tuple[int, str]:
-        p = await link.start(
-            {"cmd": "/bin/bash", "args": ["-l", "-c", cmd], "envs": {}, "cwd": "", "user": user}
-        )
+    async def _run(self, link: AgentLink, cmd: str, *, user: str = "user", timeout: float = 60) -> tuple[int, str]:
+        p = await link.start({"cmd": "/bin/bash", "args": ["-l", "-c", cmd], "envs": {}, "cwd": "", "user": user})
         q = p.subscribe()
         out = bytearray()
         async with asyncio.timeout(timeout):
@@ -410,6 +492,7 @@ class Manager:
         on_timeout: str = "kill",
         timeout_memory: bool = True,
         auto_resume: bool = False,
+        backend: str | None = None,
     ) -> SandboxRec:
         running = sum(1 for live in self.live.values() if live.rec.state == "running")
         if running >= self.max_sandboxes:
@@ -421,11 +504,39 @@ class Manager:
         snap = self.snapshots.get(template_id) or next(
             (s for s in self.snapshots.values() if template_id in s.names), None
         )
+        if snap is not None and snap.image:
+            if backend is not None and backend != snap.backend:
+                raise ApiError(
+                    400,
+                    f"snapshot '{template_id}' holds a {snap.backend} memory image and can only start under "
+                    f"the {snap.backend} backend, not {backend}",
+                )
+            backend = snap.backend
+        backend = self.backend_for(backend)
         if snap is not None:
             layers, limits, base_envs, image, tpl = snap.layers, snap.limits, snap.envs, snap.image, snap.id
         else:
             t = await self.template(template_id)
             layers, limits, base_envs, image, tpl = t.layers, t.limits, t.envs, None, t.name
+            warm = await self._take_warm(t, backend)
+            self._refill(t.name, backend)
+            if warm is not None:
+                rec = warm.rec
+                now = time.time()
+                rec.envs = {**base_envs, **(envs or {})}
+                rec.metadata = dict(metadata or {})
+                rec.started_at, rec.end_at = now, now + timeout
+                rec.on_timeout, rec.timeout_memory, rec.auto_resume = on_timeout, timeout_memory, auto_resume
+                self.live[rec.id] = warm
+                async with warm.lock:
+                    try:
+                        if envs:
+                            await warm.link.request("env", envs=envs)
+                    except BaseException:
+                        await self._destroy(warm)
+                        raise
+                    self.registry.save("sandboxes", rec.id, rec)
+                return rec
         sid = new_id("i")
         now = time.time()
         rec = SandboxRec(
@@ -441,12 +552,13 @@ class Manager:
             on_timeout=on_timeout,
             timeout_memory=timeout_memory,
             auto_resume=auto_resume,
+            backend=backend,
         )
         live = Live(rec)
         self.live[sid] = live
         async with live.lock:
             try:
-                self.backend.new_upper(rec.upper, Limits(**rec.limits))
+                self.host.new_upper(rec.upper, Limits(**rec.limits))
                 await self._launch(live, image=image)
                 if image is not None and envs:
                     await live.link.request("env", envs=envs)
@@ -456,16 +568,65 @@ class Manager:
             self.registry.save("sandboxes", sid, rec)
         return rec
 
+    async def _take_warm(self, t: Template, backend: str) -> Live | None:
+        entries = self.pool.get((t.name, backend), [])
+        while entries:
+            live = entries.pop(0)
+            if live.rec.layers == t.layers and live.link is not None and not live.link.closed.is_set():
+                return live
+            await self._destroy(live)  # the template was rebuilt, or its agent died
+        return None
+
+    def _refill(self, name: str, backend: str) -> None:
+        key = (name, backend)
+        task = self.pool_tasks.get(key)
+        if self.pool_size > 0 and not self.stopping and (task is None or task.done()):
+            self.pool_tasks[key] = asyncio.create_task(self._fill(key))
+
+    async def _fill(self, key: tuple[str, str]) -> None:
+        """Boot warm sandboxes one at a time (never competing with itself) until the pool is full."""
+        entries = self.pool.setdefault(key, [])
+        while len(entries) < self.pool_size and not self.stopping:
+            t = await self.template(key[0])
+            sid, now = new_id("i"), time.time()
+            rec = SandboxRec(
+                id=sid,
+                template_id=t.name,
+                layers=list(t.layers),
+                upper=f"{sid}-0",
+                limits=dict(t.limits),
+                envs=dict(t.envs),
+                metadata={},
+                started_at=now,
+                end_at=now,
+                backend=key[1],
+            )
+            live = Live(rec)
+            self.warming.add(sid)
+            try:
+                self.host.new_upper(rec.upper, Limits(**rec.limits))
+                await self._launch(live)
+            except Exception as e:  # the next create boots cold and retries the fill
+                log.warning("warm pool %s: could not boot a sandbox: %s", key, e)
+                await self._destroy(live)
+                return
+            finally:
+                self.warming.discard(sid)
+            if self.stopping:
+                await self._destroy(live)
+                return
+            entries.append(live)
+
+    def pooled(self) -> dict[str, list[str]]:
+        """Warm sandboxes by ``template/backend``."""
+        return {f"{t}/{b}": [live.rec.id for live in entries] for (t, b), entries in self.pool.items()}
+
     async def connect(self, sid: str, *, timeout: int | None = None, memory: bool = True) -> SandboxRec:
         live = self.get(sid)
         async with live.lock:
             rec = live.rec
             if timeout is not None:
-                rec.end_at = (
-                    max(rec.end_at, time.time() + timeout)
-                    if rec.state == "running"
-                    else time.time() + timeout
-                )
+                rec.end_at = max(rec.end_at, time.time() + timeout) if rec.state == "running" else time.time() + timeout
             if rec.state == "paused":
                 await self._resume(live, reboot=not memory)
             self.registry.save("sandboxes", sid, rec)
@@ -475,7 +636,7 @@ class Manager:
         rec = live.rec
         kind = rec.pause_kind
         if kind == "freeze" and not reboot:
-            self.backend.thaw(rec.id)
+            self._be(rec).thaw(rec.id)
         elif kind == "memory" and not reboot and rec.image:
             await self._launch(live, image=rec.image)
             rec.image = None
@@ -499,7 +660,7 @@ class Manager:
             if kind not in ("freeze", "memory", "filesystem"):
                 raise ApiError(400, f"unknown pause mode {kind!r}; valid: freeze, memory, filesystem")
             if kind == "freeze":
-                self.backend.freeze(rec.id)
+                self._be(rec).freeze(rec.id)
             elif kind == "memory":
                 rec.image = await self._checkpoint(live)
             else:
@@ -511,17 +672,18 @@ class Manager:
     async def _checkpoint(self, live: Live) -> str:
         """Detach the agent, CRIU-dump the tree (which kills it), free the cgroups. Returns the image id."""
         rec = live.rec
+        be = self._be(rec)
         image = new_id("m")
         await self._detach(live)
         try:
-            await self.backend.dump(rec.id, rec.agent_pid, image)
+            await be.dump(rec.id, rec.agent_pid, image)
         except HostError:
-            self.backend.delete_image(image)
-            self.backend.wake(rec.agent_pid)  # the dump left the tree running: let the agent reconnect
+            self.host.delete_image(image)
+            # the dump left the tree running: let the agent reconnect
             with contextlib.suppress(Exception):
-                live.link = await self._await_agent(rec.agent_pid, 5)
+                live.link = await self._wake(rec, rec.agent_pid, 5)
             raise
-        await self.backend.destroy(rec.id)
+        await be.destroy(rec.id)
         rec.agent_pid = rec.agent_start = None
         return image
 
@@ -529,50 +691,84 @@ class Manager:
         if live.link is not None:
             live.link.writer.close()
             live.link = None
-        await self.backend.destroy(live.rec.id)
+        await self._be(live.rec).destroy(live.rec.id)
         live.rec.agent_pid = live.rec.agent_start = None
 
-    async def _seal_and_restack(self, live: Live) -> str:
-        """Seal the (stopped) sandbox's upper as a layer and give it a fresh, empty upper on top."""
-        rec = live.rec
+    def _disk_copy(self, rec: SandboxRec) -> str:
+        """Copy a stopped or frozen sandbox's upper into a new read-only layer (a btrfs snapshot, constant
+        time); the sandbox keeps writing to its own upper, so its layer stack never grows."""
         layer = new_id("l")
-        self.backend.seal(rec.upper, layer)
-        rec.layers = [layer, *rec.layers]
-        rec.generation += 1
-        rec.upper = f"{rec.id}-{rec.generation}"
-        self.backend.new_upper(rec.upper, Limits(**rec.limits))
+        subvol_snapshot(self.host.upper_path(rec.upper), self.host.layer_path(layer))
         return layer
+
+    async def _reattach(self, live: Live) -> None:
+        """Wake a held agent (after a dump that left its tree running) and wait for it to reconnect."""
+        live.link = await self._wake(live.rec, live.rec.agent_pid, 10)
+
+    async def _copy_running(self, live: Live):
+        """A memory image and a disk layer of a running sandbox, taken at one instant.
+
+        Returns ``(image, layer, relaunch)``: ``relaunch`` is None when the sandbox kept running (the bwrap
+        backend: freeze, snapshot, CRIU dump with --leave-running), else a coroutine that restores it from
+        the image over its unchanged disk (gVisor: runsc checkpoint stops the container)."""
+        rec = live.rec
+        be = self._be(rec)
+        if be.live_checkpoint:
+            image, layer = new_id("m"), new_id("l")
+            await self._detach(live)
+            try:
+                await be.checkpoint_live(rec.id, rec.agent_pid, image, rec.upper, layer)
+            except HostError:
+                self.host.delete_image(image)
+                raise
+            finally:
+                await self._reattach(live)
+            return image, layer, None
+        image = await self._checkpoint(live)
+        layer = self._disk_copy(rec)
+
+        async def relaunch() -> None:
+            try:
+                await self._launch(live, image=image)
+            except BaseException as e:
+                log.error("sandbox %s failed to come back after its checkpoint: %s", rec.id, e)
+                await self._destroy(live)
+                raise ApiError(500, f"sandbox {rec.id} could not be restored after its checkpoint: {e}") from e
+            finally:
+                self.registry.save("sandboxes", rec.id, rec)
+
+        return image, layer, relaunch()
 
     async def snapshot(self, sid: str, *, name: str | None = None, memory: bool = True) -> SnapshotRec:
         live = self.get(sid)
         async with live.lock:
             rec = live.rec
-            image, refreeze = None, False
-            if rec.state == "paused" and rec.pause_kind == "freeze":
-                self.backend.thaw(rec.id)
-                refreeze = True
-            if rec.state == "running" or refreeze:
-                image = await self._checkpoint(live)
-                await self._seal_and_restack(live)
+            be = self._be(rec)
+            if rec.state == "paused" and rec.pause_kind != "freeze":
+                # stopped: the sandbox keeps its own image, the snapshot shares it
+                image, layer = rec.image, self._disk_copy(rec)
+            else:
+                frozen = rec.state == "paused"
+                if frozen:
+                    be.thaw(rec.id)
                 try:
-                    await self._launch(live, image=image)
+                    image, layer, relaunch = await self._copy_running(live)
+                    if relaunch is not None:
+                        await relaunch
                 finally:
-                    self.registry.save("sandboxes", sid, rec)
-                if refreeze:
-                    self.backend.freeze(rec.id)
-            else:  # paused with memory or filesystem: the sandbox keeps its own image, the snapshot shares it
-                await self._seal_and_restack(live)
-                image = rec.image
+                    if frozen and rec.id in self.live:
+                        be.freeze(rec.id)
             snap = SnapshotRec(
                 id=new_id("s"),
                 names=[name] if name else [],
                 source=sid,
                 template_id=rec.template_id,
-                layers=list(rec.layers),
+                layers=[layer, *rec.layers],
                 image=image if memory else None,
                 limits=dict(rec.limits),
                 envs=dict(rec.envs),
                 created_at=time.time(),
+                backend=rec.backend,
             )
             self.snapshots[snap.id] = snap
             self.registry.save("snapshots", snap.id, snap)
@@ -580,32 +776,35 @@ class Manager:
         await self._gc()
         return snap
 
-    async def fork(
-        self, sid: str, *, count: int = 1, timeout: int | None = None
-    ) -> list[SandboxRec | Exception]:
+    async def fork(self, sid: str, *, count: int = 1, timeout: int | None = None) -> list[SandboxRec | Exception]:
+        """``count`` children, each restored from one checkpoint of the source over its own fresh upper
+        (above a shared copy of the source's disk); the source carries on unchanged."""
         if not 1 <= count <= MAX_FORK:
             raise ApiError(400, f"count must be between 1 and {MAX_FORK}, got {count}")
         live = self.get(sid)
         children: list[Live] = []
         async with live.lock:
             rec = live.rec
-            if rec.state == "paused" and rec.pause_kind in ("memory", "filesystem"):
-                await self._seal_and_restack(live)
-                image, parent_back = rec.image, None
+            be = self._be(rec)
+            relaunch = None
+            frozen = rec.state == "paused" and rec.pause_kind == "freeze"
+            if rec.state == "paused" and not frozen:
+                image, layer = rec.image, self._disk_copy(rec)
             else:
-                refreeze = rec.state == "paused"
-                if refreeze:
-                    self.backend.thaw(rec.id)
-                image = await self._checkpoint(live)
-                await self._seal_and_restack(live)
-                parent_back = refreeze
+                if frozen:
+                    be.thaw(rec.id)
+                try:
+                    image, layer, relaunch = await self._copy_running(live)
+                finally:
+                    if frozen and relaunch is None:
+                        be.freeze(rec.id)
             now = time.time()
             for _ in range(count):
                 cid = new_id("i")
                 child = SandboxRec(
                     id=cid,
                     template_id=rec.template_id,
-                    layers=list(rec.layers),
+                    layers=[layer, *rec.layers],
                     upper=f"{cid}-0",
                     limits=dict(rec.limits),
                     envs=dict(rec.envs),
@@ -615,6 +814,7 @@ class Manager:
                     on_timeout=rec.on_timeout,
                     timeout_memory=rec.timeout_memory,
                     auto_resume=rec.auto_resume,
+                    backend=rec.backend,
                 )
                 children.append(Live(child))
                 self.live[cid] = children[-1]
@@ -622,11 +822,8 @@ class Manager:
             async def bring_up(c: Live) -> SandboxRec:
                 async with c.lock:
                     try:
-                        self.backend.new_upper(c.rec.upper, Limits(**c.rec.limits))
-                        if image is not None:
-                            await self._launch(c, image=image)
-                        else:
-                            await self._launch(c)
+                        self.host.new_upper(c.rec.upper, Limits(**c.rec.limits))
+                        await self._launch(c, image=image)  # a filesystem-paused source has no image: boot
                     except BaseException:
                         await self._destroy(c)
                         raise
@@ -634,18 +831,14 @@ class Manager:
                     return c.rec
 
             jobs = [bring_up(c) for c in children]
-            if parent_back is not None:
-                jobs.append(self._launch(live, image=image))
+            if relaunch is not None:  # the source comes back while its children start
+                jobs.append(relaunch)
             results = await asyncio.gather(*jobs, return_exceptions=True)
-            if parent_back is not None:
+            if relaunch is not None:
                 if isinstance(results[-1], BaseException):
-                    log.error("fork: the parent %s failed to come back: %s", sid, results[-1])
-                    await self._destroy(live)
-                    raise ApiError(
-                        500, f"fork: sandbox {sid} could not be restored after its checkpoint: {results[-1]}"
-                    )
-                if parent_back:
-                    self.backend.freeze(rec.id)
+                    raise results[-1]
+                if frozen:
+                    be.freeze(rec.id)
                 results = results[:-1]
             self.registry.save("sandboxes", sid, rec)
         await self._gc()
@@ -667,8 +860,8 @@ class Manager:
         if live.link is not None:
             live.link.writer.close()
             live.link = None
-        await self.backend.destroy(rec.id)
-        self.backend.delete_upper(rec.upper)
+        await self._be(rec).destroy(rec.id)
+        self.host.delete_upper(rec.upper)
         self.live.pop(rec.id, None)
         self.registry.delete("sandboxes", rec.id)
 
@@ -692,7 +885,7 @@ class Manager:
             images = set()
             for t in self.templates.values():
                 layers.update(t.layers)
-            for live in self.live.values():
+            for live in [*self.live.values(), *(x for entries in self.pool.values() for x in entries)]:
                 layers.update(live.rec.layers)
                 if live.rec.image:
                     images.add(live.rec.image)
@@ -700,10 +893,13 @@ class Manager:
                 layers.update(s.layers)
                 if s.image:
                     images.add(s.image)
-            for layer in self.backend.layers_on_disk() - layers:
-                self.backend.delete_layer(layer)
-            for image in self.backend.images_on_disk() - images:
-                self.backend.delete_image(image)
+            for layer in self.host.layers_on_disk() - layers:
+                self.host.delete_layer(layer)
+            for image in self.host.images_on_disk() - images:
+                self.host.delete_image(image)
+            await self.backends["gvisor"].forget_others(
+                set(self.live) | {x.rec.id for entries in self.pool.values() for x in entries} | self.warming
+            )
 
     async def _timeouts(self) -> None:
         while True:
@@ -746,18 +942,13 @@ class Manager:
         cpu_pct = 0.0
         mem = 0
         if rec.state == "running" or rec.pause_kind == "freeze":
-            usec = self.backend.cpu_usec(sid)
+            usec = self._be(rec).cpu_usec(sid)
             now = time.monotonic()
             if live.cpu_sample is not None and now > live.cpu_sample[0]:
-                cpu_pct = (
-                    100.0
-                    * (usec - live.cpu_sample[1])
-                    / ((now - live.cpu_sample[0]) * 1e6)
-                    / limits.cpu_count
-                )
+                cpu_pct = 100.0 * (usec - live.cpu_sample[1]) / ((now - live.cpu_sample[0]) * 1e6) / limits.cpu_count
             live.cpu_sample = (now, usec)
-            mem = self.backend.memory_bytes(sid)
-        disk = _tree_bytes(self.backend.upper_path(rec.upper) / "upper")
+            mem = self._be(rec).memory_bytes(sid)
+        disk = _tree_bytes(self.host.upper_path(rec.upper) / "upper")
         return {
             "cpuCount": max(1, round(limits.cpu_count)),
             "cpuUsedPct": round(max(cpu_pct, 0.0), 2),

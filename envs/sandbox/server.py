@@ -24,7 +24,7 @@ from starlette.routing import Route
 
 from .envd import FilesystemService, ProcessService
 from .link import AgentError, AgentGone
-from .runtime import ENVD_VERSION, MAX_TIMEOUT, ApiError, Manager, SandboxRec
+from .runtime import BACKEND_KEY, ENVD_VERSION, MAX_TIMEOUT, ApiError, Manager, SandboxRec
 
 log = logging.getLogger("rlk3.sandbox")
 CLIENT_ID = "rlk3-local"
@@ -68,9 +68,7 @@ def field(body: dict, name: str, kind: type | tuple, default: Any = None, *, wha
         value = object()  # JSON true is not an integer here
     if not isinstance(value, kinds):
         names = "/".join(k.__name__ for k in kinds)
-        raise ApiError(
-            400, f"field '{name}' must be {what or names}, got {json.dumps(value, default=str)[:80]}"
-        )
+        raise ApiError(400, f"field '{name}' must be {what or names}, got {json.dumps(value, default=str)[:80]}")
     return value
 
 
@@ -130,9 +128,7 @@ def build_app(manager: Manager, *, api_key: str | None = None, max_upload_mb: in
         body = await json_body(request, required=True)
         template = field(body, "templateID", str, what="a template name or snapshot ID string")
         if not template:
-            raise ApiError(
-                400, 'field \'templateID\' is required (e.g. "base", "python", "node" or a snapshot ID)'
-            )
+            raise ApiError(400, 'field \'templateID\' is required (e.g. "base", "python", "node" or a snapshot ID)')
         timeout = timeout_field(body, default=300)
         metadata = str_map(body, "metadata")
         envs = str_map(body, "envVars")
@@ -140,9 +136,7 @@ def build_app(manager: Manager, *, api_key: str | None = None, max_upload_mb: in
         auto_pause_memory = field(body, "autoPauseMemory", bool, True)
         auto_resume = field(body, "autoResume", dict, {})
         if field(body, "allow_internet_access", bool, False):
-            raise ApiError(
-                400, "allow_internet_access=true is not supported: rlk3 sandboxes have loopback only"
-            )
+            raise ApiError(400, "allow_internet_access=true is not supported: rlk3 sandboxes have loopback only")
         for unsupported in ("volumeMounts", "mcp", "iam"):
             if body.get(unsupported):
                 raise ApiError(400, f"field '{unsupported}' is not supported by the rlk3 sandbox server")
@@ -154,6 +148,7 @@ def build_app(manager: Manager, *, api_key: str | None = None, max_upload_mb: in
             on_timeout="pause" if auto_pause else "kill",
             timeout_memory=auto_pause_memory,
             auto_resume=bool(auto_resume.get("enabled")),
+            backend=metadata.get(BACKEND_KEY),  # an rlk3 extension: metadata {"rlk3.backend": "gvisor"}
         )
         return JSONResponse(sandbox_json(rec), status_code=201)
 
@@ -169,28 +164,20 @@ def build_app(manager: Manager, *, api_key: str | None = None, max_upload_mb: in
             (live.rec for live in m.live.values() if not live.rec.id.startswith("build-")),
             key=lambda r: (r.started_at, r.id),
         )
-        recs = [
-            r for r in recs if r.state in states and all(r.metadata.get(k) == v for k, v in want_meta.items())
-        ]
+        recs = [r for r in recs if r.state in states and all(r.metadata.get(k) == v for k, v in want_meta.items())]
         if q.get("template"):
             recs = [r for r in recs if r.template_id == q.get("template")]
         page = recs[start : start + limit]
         headers = {"x-next-token": str(start + limit)} if start + limit < len(recs) else {}
         items = [
-            {
-                k: v
-                for k, v in detail_json(r).items()
-                if k not in ("lifecycle", "pauseMode", "allowInternetAccess")
-            }
+            {k: v for k, v in detail_json(r).items() if k not in ("lifecycle", "pauseMode", "allowInternetAccess")}
             for r in page
         ]
         return JSONResponse(items, headers=headers)
 
     async def list_v1(request: Request) -> Response:
         recs = [
-            live.rec
-            for live in m.live.values()
-            if live.rec.state == "running" and not live.rec.id.startswith("build-")
+            live.rec for live in m.live.values() if live.rec.state == "running" and not live.rec.id.startswith("build-")
         ]
         return JSONResponse([detail_json(r) for r in recs])
 
@@ -281,9 +268,7 @@ def build_app(manager: Manager, *, api_key: str | None = None, max_upload_mb: in
     async def delete_template(request: Request) -> Response:
         tid = request.path_params["tid"]
         if not await m.delete_snapshot(tid):
-            raise ApiError(
-                404, f"snapshot or template '{tid}' not found (built-in templates cannot be deleted)"
-            )
+            raise ApiError(404, f"snapshot or template '{tid}' not found (built-in templates cannot be deleted)")
         return Response(status_code=204)
 
     async def metrics(request: Request) -> Response:
@@ -297,7 +282,16 @@ def build_app(manager: Manager, *, api_key: str | None = None, max_upload_mb: in
         raise ApiError(400, "network updates are not supported: rlk3 sandboxes have loopback only")
 
     async def server_health(request: Request) -> Response:
-        return JSONResponse({"status": "ok", "backend": m.backend.name, "sandboxes": len(m.live)})
+        return JSONResponse(
+            {
+                "status": "ok",
+                "backend": m.default_backend,
+                "backends": [n for n, be in m.backends.items() if not getattr(be, "available", None)],
+                "sandboxes": len(m.live),
+                "pooled": m.pooled(),  # warm sandboxes not yet handed out (not listed as sandboxes)
+                "warming": sorted(m.warming),  # and those still booting
+            }
+        )
 
     routes = [
         Route("/v2/sandboxes", create, methods=["POST"]),
@@ -383,8 +377,7 @@ def build_app(manager: Manager, *, api_key: str | None = None, max_upload_mb: in
         if declared and declared.isdigit() and int(declared) > max_upload:
             raise ApiError(
                 413,
-                f"upload of {declared} bytes exceeds the limit of {max_upload} bytes "
-                f"(--max-upload-mb {max_upload_mb})",
+                f"upload of {declared} bytes exceeds the limit of {max_upload} bytes (--max-upload-mb {max_upload_mb})",
             )
         ctype = request.headers.get("content-type", "")
         try:
@@ -423,12 +416,7 @@ def build_app(manager: Manager, *, api_key: str | None = None, max_upload_mb: in
             return
         headers = {k.decode().lower(): v.decode(errors="replace") for k, v in scope.get("headers", [])}
         path = scope.get("path", "")
-        if (
-            api_key
-            and "e2b-sandbox-id" not in headers
-            and headers.get("x-api-key") != api_key
-            and path != "/health"
-        ):
+        if api_key and "e2b-sandbox-id" not in headers and headers.get("x-api-key") != api_key and path != "/health":
             await error(401, "missing or wrong X-API-KEY")(scope, receive, send)
             return
         if path.startswith(ENVD_PREFIXES):
@@ -461,9 +449,7 @@ async def _stream_upload(request: Request, link, m: Manager, path: str, user: st
     hdr, _ = await link.request("wopen", path=path, user=user)
     wid = hdr["rid"]
     total = 0
-    decomp = (
-        zlib.decompressobj(16 + zlib.MAX_WBITS) if request.headers.get("content-encoding") == "gzip" else None
-    )
+    decomp = zlib.decompressobj(16 + zlib.MAX_WBITS) if request.headers.get("content-encoding") == "gzip" else None
     try:
         async for chunk in request.stream():
             if decomp is not None:

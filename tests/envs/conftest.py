@@ -16,6 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from .sandboxes import BACKENDS
+
 ROOT = Path(__file__).resolve().parents[2]
 CG = Path("/sys/fs/cgroup")
 
@@ -61,6 +63,17 @@ class Server:
         disk = str((self.state / "disk").resolve())
         with open("/proc/self/mountinfo") as f:
             return [ln.split()[4] for ln in f if ln.split()[4].startswith(disk + "/")]
+
+    def runsc_files(self, sid: str) -> list[Path]:
+        """runsc's records (state, lock, control socket) of the gVisor containers of sandbox ``sid``."""
+        root = Path("/run") / self.tag / "gv"
+        return [p for p in root.glob(f"*{sid}-*")] if root.exists() else []
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+    def backends(self) -> list[str]:
+        return self.health()["backends"]
 
     def api(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"X-API-KEY": "test"}, timeout=120)
@@ -121,7 +134,7 @@ def kill_all(server: Server) -> None:
             c.delete(f"/sandboxes/{s['sandboxID']}")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped (with its warm pools) before the rest of the suite runs
 def server(tmp_path_factory):
     if os.geteuid() != 0:
         pytest.fail("the sandbox tests need root (namespaces, cgroups, mounts): run them as root, as CI does")
@@ -137,6 +150,17 @@ def server(tmp_path_factory):
     ]
     assert not leftovers, f"cgroups left behind: {leftovers}"
     assert not srv.sandbox_mounts()
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, server) -> str:
+    """Runs a test once per backend; each sandbox asks for its backend through its metadata."""
+    if request.param not in server.backends():
+        pytest.fail(
+            f"the {request.param} backend is not available on this machine: run `make system` "
+            f"(scripts/setup.d/sandbox.sh installs bubblewrap and unpacks runsc into .cache/runsc)"
+        )
+    return request.param
 
 
 @pytest.fixture

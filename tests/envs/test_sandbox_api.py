@@ -10,6 +10,8 @@ import httpx
 import pytest
 from e2b import AsyncSandbox
 
+from .sandboxes import on
+
 
 def _err(r: httpx.Response, status: int, *words: str) -> None:
     assert r.status_code == status, (r.status_code, r.text)
@@ -19,8 +21,8 @@ def _err(r: httpx.Response, status: int, *words: str) -> None:
         assert w in body["message"], body["message"]
 
 
-def test_bad_input_is_answered_with_e2b_shaped_errors(server):
-    sbx = asyncio.run(AsyncSandbox.create())
+def test_bad_input_is_answered_with_e2b_shaped_errors(server, backend):
+    sbx = asyncio.run(AsyncSandbox.create(metadata=on(backend)))
     sid = sbx.sandbox_id
     try:
         with server.api() as c:
@@ -33,6 +35,8 @@ def test_bad_input_is_answered_with_e2b_shaped_errors(server):
             _err(c.post("/v2/sandboxes", json={"templateID": "base", "timeout": -1}), 400, "timeout")
             _err(c.post("/v2/sandboxes", json={"templateID": "base", "timeout": True}), 400, "timeout")
             _err(c.post("/v2/sandboxes", json={"templateID": "base", "metadata": {"a": 1}}), 400, "metadata")
+            bad_backend = {"templateID": "base", "metadata": on("docker")}
+            _err(c.post("/v2/sandboxes", json=bad_backend), 400, "docker", "bwrap", "gvisor")
             _err(
                 c.post("/v2/sandboxes", json={"templateID": "base", "allow_internet_access": True}),
                 400,
@@ -105,6 +109,13 @@ def test_restart_keeps_paused_sandboxes_and_snapshots(tmp_path_factory, server_f
     opts = {"api_url": first.url, "sandbox_url": first.url, "api_key": "t"}
 
     async def before_restart():
+        # a gVisor sandbox paused in memory mode survives the restart too (runsc checkpoint on disk)
+        g = await AsyncSandbox.create(metadata=on("gvisor"), **opts)
+        await g.commands.run(
+            "i=0; while true; do i=$((i+1)); echo $i > /tmp/c; sleep 0.05; done", background=True, timeout=0
+        )
+        await asyncio.sleep(0.5)
+        assert await g.pause()
         a = await AsyncSandbox.create(**opts)
         await a.files.write("/home/user/a.txt", "kept across restarts")
         await a.commands.run(
@@ -116,13 +127,14 @@ def test_restart_keeps_paused_sandboxes_and_snapshots(tmp_path_factory, server_f
         await b.files.write("/home/user/b.txt", "in the snapshot")
         snap = await b.create_snapshot("before-restart")
         await b.kill()
-        return a.sandbox_id, snap.snapshot_id
+        return a.sandbox_id, snap.snapshot_id, g.sandbox_id
+
+    def counter_of(sid: str) -> int:
+        return int((state / "disk" / "uppers" / first.rec(sid)["upper"] / "upper" / "tmp" / "c").read_text())
 
     try:
-        sid, snap_id = asyncio.run(before_restart())
-        counter_at_pause = int(
-            (state / "disk" / "uppers" / first.rec(sid)["upper"] / "upper" / "tmp" / "c").read_text()
-        )
+        sid, snap_id, gid = asyncio.run(before_restart())
+        counter_at_pause, g_at_pause = counter_of(sid), counter_of(gid)
     finally:
         first.stop()
     assert not first.sandbox_mounts()
@@ -138,6 +150,10 @@ def test_restart_keeps_paused_sandboxes_and_snapshots(tmp_path_factory, server_f
         assert counter_at_pause <= c <= counter_at_pause + 10  # the loop continued from its own memory
         b = await AsyncSandbox.create(snap_id, **opts)
         assert await b.files.read("/home/user/b.txt") == "in the snapshot"
+        g = await AsyncSandbox.connect(gid, **opts)
+        c = int((await g.commands.run("cat /tmp/c")).stdout)
+        assert g_at_pause <= c <= g_at_pause + 20, (g_at_pause, c)
+        assert (await g.commands.run("uname -r")).stdout == "4.4.0\n"
 
     try:
         asyncio.run(after_restart())
@@ -165,6 +181,7 @@ def test_templates_are_built_once_and_work(server, template):
                     "node -e \"console.log(require('rlk3-hello')())\""
                 )
                 assert r.stdout.strip() == "hello from the offline cache"
+                await _vite_app_builds_offline(sbx)
         finally:
             await sbx.kill()
         layers = sorted(
@@ -178,3 +195,65 @@ def test_templates_are_built_once_and_work(server, template):
         )  # cached by content hash: no rebuild
 
     asyncio.run(go())
+
+
+def test_gvisor_as_the_server_default_and_what_a_snapshot_can_start_under(tmp_path_factory, server_factory):
+    srv = server_factory(tmp_path_factory.mktemp("gvdefault") / "state", "--backend", "gvisor")
+    opts = {"api_url": srv.url, "sandbox_url": srv.url, "api_key": "t"}
+    assert httpx.get(srv.url + "/health").json()["backend"] == "gvisor"
+
+    async def go():
+        g = await AsyncSandbox.create(**opts)  # no metadata: the server's default
+        assert (await g.commands.run("uname -r")).stdout == "4.4.0\n"
+        b = await AsyncSandbox.create(metadata=on("bwrap"), **opts)  # one request may still pick bwrap
+        assert (await b.commands.run("uname -r")).stdout != "4.4.0\n"
+        await g.files.write("/home/user/made-in.txt", "gvisor")
+        full = await g.create_snapshot()
+        disk_only = await g.create_snapshot(mode="filesystem")
+        with httpx.Client(base_url=srv.url, headers={"X-API-KEY": "t"}) as c:
+            # a gVisor memory image cannot be restored by CRIU: asking for bwrap is refused, clearly
+            r = c.post("/v2/sandboxes", json={"templateID": full.snapshot_id, "metadata": on("bwrap")})
+            _err(r, 400, "gvisor", "bwrap")
+        # a disk-only snapshot has no image: bwrap boots fresh over the disk gVisor wrote (same layers, ids)
+        fresh = await AsyncSandbox.create(disk_only.snapshot_id, metadata=on("bwrap"), **opts)
+        assert await fresh.files.read("/home/user/made-in.txt") == "gvisor"
+        assert (await fresh.commands.run("stat -c %U /home/user/made-in.txt")).stdout == "user\n"
+        for s in (g, b, fresh):
+            await s.kill()
+
+    asyncio.run(go())
+
+
+VITE_CONFIG = """import { defineConfig } from 'vite'
+import react from '@vitejs/plugin-react'
+export default defineConfig({ plugins: [react()] })
+"""
+MAIN_JSX = """import { createRoot } from 'react-dom/client'
+function App() { return <h1>built offline by rlk3</h1> }
+createRoot(document.getElementById('root')).render(<App />)
+"""
+INDEX_HTML = """<!doctype html>
+<html><body><div id="root"></div><script type="module" src="/src/main.jsx"></script></body></html>
+"""
+
+
+async def _vite_app_builds_offline(sbx: AsyncSandbox) -> None:
+    """The node template's offline cache builds a Vite + React app (sandboxes have no network at all)."""
+    await sbx.files.write("/home/user/web/vite.config.js", VITE_CONFIG)
+    await sbx.files.write("/home/user/web/src/main.jsx", MAIN_JSX)
+    await sbx.files.write("/home/user/web/index.html", INDEX_HTML)
+    r = await sbx.commands.run(
+        "cd web && cp /opt/rlk3-web/package.json /opt/rlk3-web/package-lock.json . && "
+        "npm ci --offline --no-audit --no-fund >/dev/null && npx vite build >/dev/null && "
+        "ls dist && grep -l 'built offline by rlk3' dist/assets/*.js",
+        timeout=300,
+    )
+    assert "index.html" in r.stdout and "dist/assets/index-" in r.stdout, r.stdout
+    # by name too: the cache holds the registry metadata of every package it carries
+    r = await sbx.commands.run(
+        "mkdir byname && cd byname && npm init -y >/dev/null && "
+        "npm install --offline --no-audit --no-fund react@18.3.1 react-dom@18.3.1 >/dev/null && "
+        "node -e \"console.log(require('react-dom/package.json').version)\"",
+        timeout=120,
+    )
+    assert r.stdout.strip() == "18.3.1"
