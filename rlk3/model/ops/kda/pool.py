@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from rlk3.model.ops.kda._args import check_inputs
+from rlk3.model.ops.kda._args import check_inputs, l2norm
+from rlk3.model.ops.kda.gate import kda_gate
 from rlk3.model.ops.kda.naive import naive_recurrent_kda
 
 
@@ -98,8 +99,30 @@ def fused_recurrent_kda_pool(
         )
         return o
     idx = state_indices.long()
-    o, final = naive_recurrent_kda(
-        q, k, v, g, beta, initial_state=state_pool.index_select(0, idx), output_final_state=True, **kwargs
+    S = state_pool.index_select(0, idx)
+    lean = (
+        q.shape[1] == 1 and state_v_first and use_gate_in_kernel and use_qk_l2norm_in_kernel
+        and use_beta_sigmoid_in_kernel and q.shape[2] == v.shape[2] and q.dtype != torch.float64
     )
+    if lean:  # one decode token in K3's configuration: the same recurrence in fewer, larger ops
+        o, final = _decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S, A_log, dt_bias, scale, lower_bound,
+                                allow_neg_eigval)
+        o = o[:, None].to(v.dtype)
+    else:
+        o, final = naive_recurrent_kda(q, k, v, g, beta, initial_state=S, output_final_state=True, **kwargs)
     state_pool.index_copy_(0, idx, final.to(state_pool.dtype))
     return o
+
+
+def _decode_step(q, k, v, g, beta, S, A_log, dt_bias, scale, lower_bound, allow_neg_eigval):
+    """One token of the recurrence of ``naive.py`` for V-first states ``S [N, H, V, K]`` (fp32), with the in-kernel
+    l2norm, gate and beta sigmoid: elementwise products and sums instead of N·H tiny matrix products."""
+    f = torch.float32
+    K = q.shape[-1]
+    q, k, v = l2norm(q.to(f)) * (K**-0.5 if scale is None else scale), l2norm(k.to(f)), v.to(f)
+    decay = kda_gate(g, A_log, dt_bias, lower_bound, output_dtype=f).exp()  # [N, H, K]
+    b = torch.sigmoid(beta.to(f)) * (2.0 if allow_neg_eigval else 1.0)  # [N, H]
+    S = S * decay[:, :, None, :]  # decay each key channel
+    residual = v - (S * k[:, :, None, :]).sum(-1)  # v - kᵀS, [N, H, V]
+    S = S + (b[..., None] * residual)[..., None] * k[:, :, None, :]  # delta-rule write
+    return (S * q[:, :, None, :]).sum(-1), S

@@ -1,0 +1,23 @@
+"""Oracles the engine tests compare against: transformers' generate() and one full forward pass."""
+
+import torch
+
+
+def prompt(n: int, seed: int, vocab: int = 4096) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab, (n,), generator=g).tolist()
+
+
+@torch.no_grad()
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """transformers' own generate(), greedy, the request alone."""
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(ids) :].tolist()
+
+
+@torch.no_grad()
+def full_forward_logprobs(model, ids: list[int], generated: list[int], temperature: float = 1.0) -> list[float]:
+    """log softmax(logits / T) of each generated token under one full forward pass over the whole sequence."""
+    logits = model(torch.tensor([ids + generated]), use_cache=False).logits[0].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    return [logp[len(ids) - 1 + i, t].item() for i, t in enumerate(generated)]
