@@ -101,7 +101,9 @@ class EngineConfig:
             raise EngineConfigError(f"{own}.backend must be one of {list(BACKENDS)}, got {self.backend!r}")
         sizes = self.cuda_graph_batch_sizes
         if not isinstance(sizes, (list, tuple)) or not sizes or any(not _is_int(s) or s < 1 for s in sizes):
-            raise EngineConfigError(f"{own}.cuda_graph_batch_sizes must be a non-empty list of ints >= 1, got {sizes!r}")
+            raise EngineConfigError(
+                f"{own}.cuda_graph_batch_sizes must be a non-empty list of ints >= 1, got {sizes!r}"
+            )
         self.cuda_graph_batch_sizes = sorted(set(sizes))
         _int(own, "seed", self.seed, 0)
 

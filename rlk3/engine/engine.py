@@ -81,7 +81,9 @@ class EngineStats:
 def _token_list(ids, name: str) -> list[int]:
     if isinstance(ids, torch.Tensor):
         if ids.dim() != 1 or ids.is_floating_point():
-            raise ValueError(f"{name} must be a 1-D integer tensor or a list of ints, got {ids.dtype} {list(ids.shape)}")
+            raise ValueError(
+                f"{name} must be a 1-D integer tensor or a list of ints, got {ids.dtype} {list(ids.shape)}"
+            )
         return ids.tolist()
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
         raise ValueError(f"{name} must be a list of token ids, got {type(ids).__name__}")

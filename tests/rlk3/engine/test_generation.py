@@ -29,7 +29,8 @@ def test_greedy_equals_hf_generate_with_chunked_prefill_and_continuous_batching(
             results[ids[res.request_id]] = res
         grew = {k: r.num_computed - before.get(k, 0) for k, r in engine.requests.items()}
         # a prompt prefilled over several steps, and single-token decodes in the same step as a prefill chunk
-        chunked |= any(g > 1 and engine.requests[k].num_computed < engine.requests[k].turn_start for k, g in grew.items())
+        reqs = engine.requests
+        chunked |= any(g > 1 and reqs[k].num_computed < reqs[k].turn_start for k, g in grew.items())
         mixed |= 1 in grew.values() and any(g > 1 for g in grew.values())
     assert chunked and mixed, "the run must have chunked a prefill and mixed decode with prefill in one step"
     for i, p in enumerate(prompts):
@@ -54,8 +55,8 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny, top_k, top_p):
     alone = _run_alone(tiny, p, sp)
     engine = RolloutEngine(tiny, EngineConfig(memory_bytes=16 * 2**20))
     others = [prompt(n, seed=10 + n) for n in (3, 70, 25)]
-    batch = engine.generate([others[0], p, others[1], others[2]],
-                            [SamplingParams(max_tokens=9, temperature=1.0)] * 1 + [sp] + [SamplingParams(max_tokens=30)] * 2)
+    params = [SamplingParams(max_tokens=9, temperature=1.0), sp, SamplingParams(max_tokens=30), SamplingParams()]
+    batch = engine.generate([others[0], p, others[1], others[2]], params)
     assert batch[1].token_ids == alone.token_ids
     assert max(abs(a - b) for a, b in zip(batch[1].logprobs, alone.logprobs)) <= 1e-5
     other_seed = _run_alone(tiny, p, SamplingParams(**{**sp.__dict__, "seed": 99}))
