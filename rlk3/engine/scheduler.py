@@ -169,7 +169,8 @@ class Scheduler:
         else:
             self.pool.zero(slot)
         req.slot, req.pages = slot, shared
-        req.num_computed = req.num_registered = len(entries) * self.block_tokens
+        req.num_computed = len(entries) * self.block_tokens
+        req.num_registered = len(entries)
         req.num_cached_tokens = req.num_computed
         if self.prefix is not None:
             self.prefix.hit_tokens += req.num_computed

@@ -21,3 +21,13 @@ def full_forward_logprobs(model, ids: list[int], generated: list[int], temperatu
     logits = model(torch.tensor([ids + generated]), use_cache=False).logits[0].float()
     logp = torch.log_softmax(logits / temperature, dim=-1)
     return [logp[len(ids) - 1 + i, t].item() for i, t in enumerate(generated)]
+
+
+@torch.no_grad()
+def assert_greedy_matches_full_forward(model, ids: list[int], generated: list[int], tol: float = 1e-5) -> None:
+    """Every generated token is the argmax of the full forward's logits at its position, and its logprob equals
+    the full forward's log-softmax there."""
+    logits = model(torch.tensor([ids + generated]), use_cache=False).logits[0].float()
+    rows = logits[len(ids) - 1 : len(ids) - 1 + len(generated)]
+    assert rows.argmax(-1).tolist() == generated
+    return torch.log_softmax(rows, -1).gather(1, torch.tensor(generated)[:, None])[:, 0].tolist()
