@@ -67,14 +67,14 @@ def test_lru_eviction_spill_to_cpu_and_restore(tiny):
         engine = RolloutEngine(tiny, cfg)
         _run(engine, p1)
         _run(engine, p2)  # evicts p1's blocks: the pool holds ~45 pages
-        res, filled = _run(engine, p1 + [7, 8, 9])
+        res, filled = _run(engine, [*p1, 7, 8, 9])
         stats = engine.stats().prefix_cache
         assert stats.evictions > 0
         if spill:
             assert stats.restores > 0 and res.num_cached_tokens == 1024 and filled == len(p1) + 3 - 1024
         else:
             assert stats.spilled_blocks == 0 and res.num_cached_tokens < 1024
-        _check(tiny, p1 + [7, 8, 9], res)
+        _check(tiny, [*p1, 7, 8, 9], res)
         outs[spill] = res.token_ids
         engine.check_invariants()
     assert outs[0] == outs[64 * 2**20]
