@@ -22,6 +22,11 @@ from rlk3.engine.runner import ForwardBatch, ModelRunner
 from rlk3.engine.sampling import sample
 from rlk3.engine.scheduler import Scheduler
 
+# Multi-token sequences share one masked MLA attention while (new tokens) x (their cached + new tokens) stays under
+# this many mask entries: that saves per-sequence overhead for short chunks, but the packed attention also computes
+# every cross-sequence score, so longer prefills attend one sequence at a time.
+PACKED_PREFILL_MAX = 1 << 16
+
 
 class EngineError(RuntimeError):
     """A call that is not valid in the engine's current state (released memory, wrong request status)."""
@@ -509,23 +514,30 @@ class RolloutEngine:
         req.marks.discard(0)
 
     def _batch(self, plan: list[tuple[Request, int]]) -> ForwardBatch:
-        bs = self.layout.block_size
-        ids, write_pages, write_offsets, logit_rows = [], [], [], []
-        starts, lens, slots, tables, seq_lens = [], [], [], [], []
-        num_decode = sum(1 for _, n in plan if n == 1)
-        width = max(1, max(math.ceil((r.num_computed + n) / bs) for r, n in plan)) if self.layout.mla_layers else 1
-        for req, n in plan:
-            start = req.num_computed
+        """The runner's view of a step (see ``ForwardBatch``): packed tokens, pages, and the gather indices."""
+        bs, W, N = self.layout.block_size, self.layout.conv_width, len(plan)
+        has_mla = bool(self.layout.mla_layers)
+        ids, write_pages, write_offsets, logit_rows, conv_src, conv_new = [], [], [], [], [], []
+        starts, lens, slots, tables, seq_lens, multi = [], [], [], [], [], []
+        width = max(math.ceil((r.num_computed + n) / bs) for r, n in plan) if has_mla else 1
+        for s, (req, n) in enumerate(plan):
+            start, row = req.num_computed, len(ids)
+
+            def src(p, s=s, row=row):  # buffer row of the input p tokens into this chunk (p < 0: the cache)
+                return N * W + row + p if p >= 0 else s * W + W + p
+
+            conv_src += [[src(i - (W - j)) for j in range(W + 1)] for i in range(n)]
+            conv_new.append([src(n - W + r) for r in range(W)])
             ids += req.tokens[start : start + n]
-            if self.layout.mla_layers:
-                for pos in range(start, start + n):
-                    write_pages.append(req.pages[pos // bs])
-                    write_offsets.append(pos % bs)
+            if has_mla:
+                write_pages += [req.pages[pos // bs] for pos in range(start, start + n)]
+                write_offsets += [pos % bs for pos in range(start, start + n)]
             if start + n == len(req.tokens):
                 logit_rows.append(len(ids) - 1)
             if n > 1:
                 starts.append(start)
                 lens.append(n)
+                multi.append(req)
             slots.append(req.slot)
             used = math.ceil((start + n) / bs)
             tables.append(req.pages[:used] + [0] * (width - used))
@@ -535,12 +547,28 @@ class RolloutEngine:
         def t(x):
             return torch.tensor(x, dtype=torch.long, device=dev)
 
-        return ForwardBatch(
-            input_ids=t(ids), num_decode=num_decode, prefill_starts=starts, prefill_lens=lens,
-            slot_pages=t(slots) if self.layout.pages_per_slot else torch.zeros(len(plan), 0, dtype=torch.long),
+        batch = ForwardBatch(
+            input_ids=t(ids), num_decode=N - len(multi), prefill_starts=starts, prefill_lens=lens,
+            slot_pages=t(slots) if self.layout.pages_per_slot else torch.zeros(N, 0, dtype=torch.long, device=dev),
             block_tables=t(tables), seq_lens=t(seq_lens), write_pages=t(write_pages), write_offsets=t(write_offsets),
-            logit_rows=t(logit_rows),
+            logit_rows=t(logit_rows), conv_src=t(conv_src).reshape(-1, W + 1), conv_new=t(conv_new).reshape(N, W),
         )
+        total_q, total_k = sum(lens), sum(a + n for a, n in zip(starts, lens))
+        if has_mla and len(multi) > 1 and total_q * total_k <= PACKED_PREFILL_MAX:
+            q_seg, q_pos, k_seg, k_pos, pages = [], [], [], [], []
+            for j, (req, a, n) in enumerate(zip(multi, starts, lens)):
+                positions = torch.arange(a + n)
+                q_seg.append(torch.full((n,), j))
+                q_pos.append(positions[a:])
+                k_seg.append(torch.full((a + n,), j))
+                k_pos.append(positions)
+                pages.append(torch.tensor(req.pages)[positions // bs])
+            q_seg, q_pos, k_seg, k_pos = (torch.cat(x) for x in (q_seg, q_pos, k_seg, k_pos))
+            mask = (q_seg[:, None] == k_seg[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+            batch.ctx_pages = torch.cat(pages).to(dev)
+            batch.ctx_offsets = (k_pos % bs).to(dev)
+            batch.ctx_mask = mask.to(dev)
+        return batch
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         graphs_ok = self.device.type == "cuda" and self.config.cuda_graphs and self.config.backend == "auto"

@@ -27,7 +27,6 @@ import torch.nn.functional as F
 
 from rlk3.engine.pool import PagedPool, PoolLayout
 from rlk3.model.layers.attn_res import AttnResStream, ResidualStream
-from rlk3.model.layers.kda import causal_short_conv
 from rlk3.model.layers.mla import ABSORB_MAX_QUERY_LEN
 from rlk3.model.layers.moe import StableLatentMoE
 from rlk3.model.ops.kda import chunk_kda, fused_recurrent_kda_pool
@@ -53,6 +52,16 @@ class ForwardBatch:
     write_pages: torch.Tensor  # [T] page of each new token's MLA entry
     write_offsets: torch.Tensor  # [T] its position inside the page
     logit_rows: torch.Tensor  # rows of input_ids whose next-token logits are wanted
+    # KDA short conv over every sequence at once, on the buffer [the N gathered conv caches (kernel − 1 rows each);
+    # the T new rows]: conv_src[t, j] is the buffer row tap j of token t reads; conv_new[n] the rows that become
+    # sequence n's cache
+    conv_src: torch.Tensor | None = None  # [T, kernel]
+    conv_new: torch.Tensor | None = None  # [N, kernel − 1]
+    # MLA over all multi-token sequences at once when small enough: their cached + new tokens gathered end to end,
+    # and which of those each new token may attend to (None: attend per sequence instead)
+    ctx_pages: torch.Tensor | None = None  # [ΣS]
+    ctx_offsets: torch.Tensor | None = None  # [ΣS]
+    ctx_mask: torch.Tensor | None = None  # [Σ new tokens of multi-token sequences, ΣS] bool
 
 
 class ModelRunner:
@@ -127,19 +136,14 @@ class ModelRunner:
 
         # q, k, v (conv'd together), the forget-gate input, beta, the output gate: one matmul
         qkv, f_a, beta, gate = F.linear(h, w_in).split(self._splits[idx], dim=-1)
-        pieces = []
-        if nd:
-            y, new_cache = causal_short_conv(qkv[:nd, None], w_conv, convs[pages[:nd]])
-            convs[pages[:nd]] = new_cache
-            pieces.append(y[:, 0])
-        offset = nd
-        for j, n in enumerate(b.prefill_lens):
-            page = pages[nd + j : nd + j + 1]
-            y, new_cache = causal_short_conv(qkv[None, offset : offset + n], w_conv, convs[page])
-            convs[page] = new_cache
-            pieces.append(y[0])
-            offset += n
-        q, k, v = (t.view(T, H, K) for t in torch.cat(pieces).chunk(3, dim=-1))
+        # the causal short conv of every sequence from one buffer (see ForwardBatch), taps in the model's order
+        cache = convs[pages]  # [N, kernel − 1, 3·H·K]
+        buf = torch.cat([cache.reshape(-1, cache.shape[-1]).to(qkv.dtype), qkv])
+        y = torch.zeros_like(qkv)
+        for j in range(w_conv.shape[1]):
+            y = y + buf[b.conv_src[:, j]] * w_conv[:, j].to(qkv.dtype)
+        convs[pages] = buf[b.conv_new].to(convs.dtype)
+        q, k, v = (t.view(T, H, K) for t in F.silu(y).chunk(3, dim=-1))
         g = attn.f_b_proj(f_a).view(T, H, K)
         kwargs = dict(
             A_log=attn.A_log, dt_bias=attn.dt_bias, lower_bound=attn.lower_bound, use_gate_in_kernel=True,
@@ -193,24 +197,30 @@ class ModelRunner:
                     w_uk, w_uv, attn.scale, backend=self.backend,
                 )
             )
-        offset = nd
-        bs = self.layout.block_size
-        for j, (start, n) in enumerate(zip(b.prefill_starts, b.prefill_lens)):
-            S = start + n
-            table = b.block_tables[nd + j, : math.ceil(S / bs)]
-            lat = latent_pages[table].reshape(-1, latent.shape[-1])[:S][None].to(h.dtype)
-            rope = rope_pages[table].reshape(-1, k_rope.shape[-1])[:S][None].to(h.dtype)
-            qn, qr = q_nope[None, offset : offset + n], q_rope[None, offset : offset + n]
-            if start == 0:  # a fresh prefill: plain causal attention, the same call the model makes
-                o = mla_attention(qn, qr, lat, rope, w_uk, w_uv, attn.scale, causal=True)
-            else:
-                q_pos = torch.arange(start, S, device=h.device)
-                mask = (torch.arange(S, device=h.device)[None, :] <= q_pos[:, None])[None]
-                o = mla_attention(
-                    qn, qr, lat, rope, w_uk, w_uv, attn.scale, mask, absorbed=n <= ABSORB_MAX_QUERY_LEN
-                )
+        if b.ctx_mask is not None:  # every multi-token sequence in one masked attention
+            lat = latent_pages[b.ctx_pages, b.ctx_offsets][None].to(h.dtype)
+            rope = rope_pages[b.ctx_pages, b.ctx_offsets][None].to(h.dtype)
+            o = mla_attention(q_nope[None, nd:], q_rope[None, nd:], lat, rope, w_uk, w_uv, attn.scale, b.ctx_mask[None])
             outs.append(o[0])
-            offset += n
+        else:
+            offset = nd
+            bs = self.layout.block_size
+            for j, (start, n) in enumerate(zip(b.prefill_starts, b.prefill_lens)):
+                S = start + n
+                table = b.block_tables[nd + j, : math.ceil(S / bs)]
+                lat = latent_pages[table].reshape(-1, latent.shape[-1])[:S][None].to(h.dtype)
+                rope = rope_pages[table].reshape(-1, k_rope.shape[-1])[:S][None].to(h.dtype)
+                qn, qr = q_nope[None, offset : offset + n], q_rope[None, offset : offset + n]
+                if start == 0:  # a fresh prefill: plain causal attention, the same call the model makes
+                    o = mla_attention(qn, qr, lat, rope, w_uk, w_uv, attn.scale, causal=True)
+                else:
+                    q_pos = torch.arange(start, S, device=h.device)
+                    mask = (torch.arange(S, device=h.device)[None, :] <= q_pos[:, None])[None]
+                    o = mla_attention(
+                        qn, qr, lat, rope, w_uk, w_uv, attn.scale, mask, absorbed=n <= ABSORB_MAX_QUERY_LEN
+                    )
+                outs.append(o[0])
+                offset += n
         o = torch.cat(outs) if len(outs) > 1 else outs[0]  # [T, H, v]
         if gate:
             o = o * torch.sigmoid(gate[0]).view(T, H, attn.v_dim)
