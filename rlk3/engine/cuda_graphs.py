@@ -46,21 +46,31 @@ class DecodeGraphs:
         self.rows = torch.arange(n, **long)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.batches: dict[int, ForwardBatch] = {}  # the captured inputs (kept alive with their graph)
         self.mempool = torch.cuda.graph_pool_handle()
 
     def close(self) -> None:
         """Gives the scratch pages back (before the pool is released)."""
         self.graphs.clear()
         self.outputs.clear()
+        self.batches.clear()
         if self.scratch:
             self.pool.decref(self.scratch)
             self.scratch = []
 
     def _batch(self, size: int) -> ForwardBatch:
+        # the short conv's gather indices depend only on the batch size when every sequence has one token:
+        # sequence t's taps read its kernel − 1 cached rows, then its new row
+        W, dev = self.pool.layout.conv_width, self.pool.device
+        t = torch.arange(size, device=dev)[:, None]
+        cache_rows = t * W + torch.arange(W, device=dev)[None, :]
+        conv_src = torch.cat([cache_rows, size * W + t], dim=1)
+        conv_new = torch.cat([cache_rows[:, 1:], size * W + t], dim=1)
         return ForwardBatch(
             input_ids=self.input_ids[:size], num_decode=size, prefill_starts=[], prefill_lens=[],
             slot_pages=self.slot_pages[:size], block_tables=self.block_tables[:size], seq_lens=self.seq_lens[:size],
             write_pages=self.write_pages[:size], write_offsets=self.write_offsets[:size], logit_rows=self.rows[:size],
+            conv_src=conv_src, conv_new=conv_new,
         )
 
     def _reset_rows(self, start: int, stop: int) -> None:
@@ -76,7 +86,7 @@ class DecodeGraphs:
 
     def _capture(self, size: int) -> None:
         self._reset_rows(0, max(self.sizes))  # warm-up and capture touch only the scratch slot and page
-        batch = self._batch(size)
+        batch = self.batches[size] = self._batch(size)
         self.runner.sync_ok = False
         try:
             side = torch.cuda.Stream()
