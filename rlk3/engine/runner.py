@@ -136,13 +136,20 @@ class ModelRunner:
 
         # q, k, v (conv'd together), the forget-gate input, beta, the output gate: one matmul
         qkv, f_a, beta, gate = F.linear(h, w_in).split(self._splits[idx], dim=-1)
-        # the causal short conv of every sequence from one buffer (see ForwardBatch), taps in the model's order
-        cache = convs[pages]  # [N, kernel − 1, 3·H·K]
-        buf = torch.cat([cache.reshape(-1, cache.shape[-1]).to(qkv.dtype), qkv])
-        y = torch.zeros_like(qkv)
-        for j in range(w_conv.shape[1]):
-            y = y + buf[b.conv_src[:, j]] * w_conv[:, j].to(qkv.dtype)
-        convs[pages] = buf[b.conv_new].to(convs.dtype)
+        # the causal short conv of every sequence, taps in the model's order
+        cache = convs[pages].to(qkv.dtype)  # [N, kernel − 1, 3·H·K]
+        if nd == T:  # one token each (decode): the window is the cache and the token
+            buf = torch.cat([cache, qkv[:, None]], dim=1)
+            y = torch.zeros_like(qkv)
+            for j in range(w_conv.shape[1]):
+                y = y + buf[:, j] * w_conv[:, j].to(qkv.dtype)
+            convs[pages] = buf[:, 1:].to(convs.dtype)
+        else:  # any mix: gather each tap from [caches; new rows] (see ForwardBatch)
+            buf = torch.cat([cache.reshape(-1, cache.shape[-1]), qkv])
+            y = torch.zeros_like(qkv)
+            for j in range(w_conv.shape[1]):
+                y = y + buf[b.conv_src[:, j]] * w_conv[:, j].to(qkv.dtype)
+            convs[pages] = buf[b.conv_new].to(convs.dtype)
         q, k, v = (t.view(T, H, K) for t in F.silu(y).chunk(3, dim=-1))
         g = attn.f_b_proj(f_a).view(T, H, K)
         kwargs = dict(

@@ -124,5 +124,5 @@ def _decode_step(q, k, v, g, beta, S, A_log, dt_bias, scale, lower_bound, allow_
     b = torch.sigmoid(beta.to(f)) * (2.0 if allow_neg_eigval else 1.0)  # [N, H]
     S = S * decay[:, :, None, :]  # decay each key channel
     residual = v - (S * k[:, :, None, :]).sum(-1)  # v - kᵀS, [N, H, V]
-    S = S + (b[..., None] * residual)[..., None] * k[:, :, None, :]  # delta-rule write
+    S = torch.addcmul(S, (b[..., None] * residual)[..., None], k[:, :, None, :])  # delta-rule write
     return (S * q[:, :, None, :]).sum(-1), S
