@@ -16,6 +16,18 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
 
 
 @torch.no_grad()
+def hf_greedy_batch(model, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """transformers' generate() on the whole batch, left-padded with an attention mask, greedy, n new tokens."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[:, width:].tolist()
+
+
+@torch.no_grad()
 def full_forward_logprobs(model, ids: list[int], generated: list[int], temperature: float = 1.0) -> list[float]:
     """log softmax(logits / T) of each generated token under one full forward pass over the whole sequence."""
     logits = model(torch.tensor([ids + generated]), use_cache=False).logits[0].float()

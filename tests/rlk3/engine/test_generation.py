@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rlk3.engine import EngineConfig, FinishReason, RequestStatus, RolloutEngine, SamplingParams
-from tests.rlk3.engine._oracle import full_forward_logprobs, hf_greedy, prompt
+from tests.rlk3.engine._oracle import full_forward_logprobs, hf_greedy, hf_greedy_batch, prompt
 
 LENGTHS = [5, 9, 17, 33, 64, 65, 100, 128, 200, 257, 300, 384, 450, 513, 600, 700]
 
@@ -33,10 +33,11 @@ def test_greedy_equals_hf_generate_with_chunked_prefill_and_continuous_batching(
         chunked |= any(g > 1 and reqs[k].num_computed < reqs[k].turn_start for k, g in grew.items())
         mixed |= 1 in grew.values() and any(g > 1 for g in grew.values())
     assert chunked and mixed, "the run must have chunked a prefill and mixed decode with prefill in one step"
+    hf = hf_greedy_batch(tiny, prompts, max(max_tokens))  # the same 16 prompts as one HF batch
     for i, p in enumerate(prompts):
         res = results[i]
         assert res.finish_reason == FinishReason.LENGTH and len(res.token_ids) == max_tokens[i]
-        assert res.token_ids == hf_greedy(tiny, p, max_tokens[i]), f"prompt {i} ({len(p)} tokens)"
+        assert res.token_ids == hf[i][: max_tokens[i]], f"prompt {i} ({len(p)} tokens)"
         ref = full_forward_logprobs(tiny, p, res.token_ids)
         assert max(abs(a - b) for a, b in zip(res.logprobs, ref)) <= 1e-5, f"prompt {i}"
         assert res.versions == [0] * max_tokens[i]
