@@ -86,7 +86,8 @@ def decode_throughput(model, device, batch_sizes, prompt_len, new_tokens, reps, 
                    engine_tok_s=bs * new_tokens / best_e, hf_tok_s=bs * new_tokens / best_h,
                    speedup=best_h / best_e, token_identical=same)
         if device.type == "cuda":
-            row.update(roofline(model, engine, bs, prompt_len + new_tokens // 2, device))
+            context = sum(len(p) for p in batch) / bs + new_tokens / 2  # the mean cached length over the run
+            row.update(roofline(model, engine, bs, context, device))
             row["fraction_of_roofline"] = row["engine_tok_s"] / row["roofline_tok_s"]
         rows.append(row)
     return rows
@@ -111,7 +112,7 @@ def roofline(model, engine, batch: int, context: int, device) -> dict:
     lay = engine.layout
     state = len(lay.kda_layers) * (cfg.kda_num_heads * cfg.kda_head_dim**2 * 4) * 2  # read + write
     latents = context * lay.mla_token_bytes
-    step_bytes = weights + batch * (state + latents)
+    step_bytes = int(weights + batch * (state + latents))
     return dict(bandwidth_gb_s=bandwidth / 1e9, step_bytes=step_bytes,
                 roofline_tok_s=batch / (step_bytes / bandwidth))
 

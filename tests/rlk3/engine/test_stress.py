@@ -5,10 +5,13 @@ is free again."""
 
 import random
 
+import pytest
+
 from rlk3.engine import EngineConfig, FinishReason, RequestStatus, RolloutEngine, SamplingParams
 from tests.rlk3.engine._oracle import assert_greedy_matches_full_forward, prompt
 
 
+@pytest.mark.slow
 def test_randomized_stress_of_500_requests(tiny):
     rng = random.Random(0)
     probe = RolloutEngine(tiny, EngineConfig(memory_bytes=4 * 2**20, block_size=16, prefix_block_tokens=16))
