@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from numbers import Integral, Real
 
 BACKENDS = ("auto", "torch")
+DEFAULT_MEMORY_BYTES = 256 * 2**20  # enough for k3-tiny work on a CPU; set memory_fraction on a GPU
 
 
 class EngineConfigError(ValueError):
@@ -36,8 +37,8 @@ def _bool(owner: str, key: str, value) -> None:
 class EngineConfig:
     """How the engine sizes its pool, schedules, caches prefixes and reacts to weight updates (docs/engine.md)."""
 
-    # -- memory: exactly one of the two; the pool is preallocated at construction and never grows
-    memory_bytes: int | None = 256 * 2**20  # the pool's byte budget
+    # -- memory: at most one of the two (neither: DEFAULT_MEMORY_BYTES); the pool is preallocated and never grows
+    memory_bytes: int | None = None  # the pool's byte budget
     memory_fraction: float | None = None  # or: this fraction of the device's free memory (CPU: MemAvailable)
     block_size: int | None = None  # MLA tokens per page (a power of two dividing prefix_block_tokens); None = auto
     max_model_len: int | None = None  # longest sequence (prompt + every turn); None = whatever fits the pool
@@ -65,11 +66,13 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         own = "EngineConfig"
-        if (self.memory_bytes is None) == (self.memory_fraction is None):
+        if self.memory_bytes is not None and self.memory_fraction is not None:
             raise EngineConfigError(
-                f"{own}: set exactly one of memory_bytes and memory_fraction, got memory_bytes={self.memory_bytes!r}, "
+                f"{own}: set at most one of memory_bytes and memory_fraction, got memory_bytes={self.memory_bytes!r}, "
                 f"memory_fraction={self.memory_fraction!r}"
             )
+        if self.memory_bytes is None and self.memory_fraction is None:
+            self.memory_bytes = DEFAULT_MEMORY_BYTES
         _int(own, "memory_bytes", self.memory_bytes, 1, allow_none=True)
         if self.memory_fraction is not None and (
             not isinstance(self.memory_fraction, Real) or isinstance(self.memory_fraction, bool)

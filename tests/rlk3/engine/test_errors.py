@@ -104,9 +104,9 @@ def test_update_weights_rejects_bad_updates(tiny):
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(memory_bytes=None), "set exactly one of memory_bytes and memory_fraction"),
-        (dict(memory_fraction=0.5), "set exactly one of memory_bytes and memory_fraction"),
-        (dict(memory_bytes=None, memory_fraction=1.5), r"memory_fraction must be a number in \(0, 1\], got 1.5"),
+        (dict(memory_bytes=1, memory_fraction=0.5), "set at most one of memory_bytes and memory_fraction"),
+        (dict(memory_fraction=1.5), r"memory_fraction must be a number in \(0, 1\], got 1.5"),
+        (dict(memory_bytes=0), r"memory_bytes must be an int >= 1 or None, got 0"),
         (dict(block_size=48), "block_size must be a power of two dividing prefix_block_tokens=512"),
         (dict(checkpoint_interval=700), "checkpoint_interval must be a multiple of prefix_block_tokens=512"),
         (dict(max_tokens_per_step=0), "max_tokens_per_step must be an int >= 1, got 0"),
@@ -118,6 +118,12 @@ def test_update_weights_rejects_bad_updates(tiny):
 def test_bad_engine_config(kwargs, match):
     with pytest.raises(EngineConfigError, match=match):
         EngineConfig(**kwargs)
+
+
+def test_memory_defaults():
+    assert EngineConfig().memory_bytes == 256 * 2**20
+    cfg = EngineConfig(memory_fraction=0.01)
+    assert cfg.memory_bytes is None and cfg.memory_fraction == 0.01
 
 
 def test_engine_config_from_dict_rejects_unknown_keys():

@@ -80,3 +80,13 @@ def test_block_size_override_and_models_without_one_kind():
     all_kda = K3Config(num_hidden_layers=3, full_attn_layers=[], final_layer_global=False)
     lay = PoolLayout.for_model(all_kda, torch.float32)
     assert lay.mla_layers == () and lay.pages_per_slot == 3
+
+
+def test_budget_from_a_fraction_of_free_memory():
+    from rlk3.engine.pool import budget_bytes
+
+    with open("/proc/meminfo") as f:
+        avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    got = budget_bytes(None, 0.001, torch.device("cpu"))
+    assert abs(got - avail * 0.001) <= 0.05 * avail * 0.001  # MemAvailable moves a little between the two reads
+    assert budget_bytes(12345, None, torch.device("cpu")) == 12345
