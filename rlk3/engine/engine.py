@@ -195,6 +195,7 @@ class RolloutEngine:
         req.turn_start = len(req.tokens)
         req.logprobs, req.versions, req.finish_reason = [], [], None
         req.arrival = next(self._arrivals)
+        req.num_cached_tokens = req.num_computed  # this turn reuses what the request's cache holds
         self._mark_turn_ends(req, turn_ends, start)
         if req.has_cache:
             req.priority = next(self.scheduler._admissions)

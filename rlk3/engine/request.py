@@ -35,7 +35,7 @@ class GenerationResult:
     status: RequestStatus
     finish_reason: FinishReason | None  # None while the turn is unfinished (paused, running)
     turn: int  # 0 for the first add_request, +1 per extend()
-    num_cached_tokens: int  # prompt tokens taken from the prefix cache when this turn was (last) admitted
+    num_cached_tokens: int  # prompt tokens of this turn not computed for it: in the request's cache or the prefix cache
 
 
 @dataclass(eq=False)

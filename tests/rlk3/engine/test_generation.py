@@ -116,6 +116,7 @@ def test_extend_equals_prefilling_the_whole_conversation(tiny, greedy):
         engine.step()
     turn2 = engine.result(rid)
     assert turn2.turn == 1 and turn2.prompt_token_ids == p + turn1.token_ids + tool
+    assert turn2.num_cached_tokens == len(p) + len(turn1.token_ids) - 1  # all but turn 1's last token
     # only the tool output and turn 1's last token were computed: the cache was reused
     assert engine.stats().prefill_tokens - computed_before == len(tool) + 1
     fresh = _run_alone(tiny, p + turn1.token_ids + tool, SamplingParams(max_tokens=15, temperature=t, seed=12))
