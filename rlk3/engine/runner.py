@@ -207,7 +207,8 @@ class ModelRunner:
         if b.ctx_mask is not None:  # every multi-token sequence in one masked attention
             lat = latent_pages[b.ctx_pages, b.ctx_offsets][None].to(h.dtype)
             rope = rope_pages[b.ctx_pages, b.ctx_offsets][None].to(h.dtype)
-            o = mla_attention(q_nope[None, nd:], q_rope[None, nd:], lat, rope, w_uk, w_uv, attn.scale, b.ctx_mask[None])
+            qn, qr = q_nope[None, nd:], q_rope[None, nd:]
+            o = prefill_attention(qn, qr, lat, rope, w_uk, w_uv, attn.scale, b.ctx_mask[None])
             outs.append(o[0])
         else:
             offset = nd
@@ -219,13 +220,14 @@ class ModelRunner:
                 rope = rope_pages[table].reshape(-1, k_rope.shape[-1])[:S][None].to(h.dtype)
                 qn, qr = q_nope[None, offset : offset + n], q_rope[None, offset : offset + n]
                 if start == 0:  # a fresh prefill: plain causal attention, the same call the model makes
-                    o = mla_attention(qn, qr, lat, rope, w_uk, w_uv, attn.scale, causal=True)
+                    o = prefill_attention(qn, qr, lat, rope, w_uk, w_uv, attn.scale, causal=True)
                 else:
                     q_pos = torch.arange(start, S, device=h.device)
                     mask = (torch.arange(S, device=h.device)[None, :] <= q_pos[:, None])[None]
-                    o = mla_attention(
-                        qn, qr, lat, rope, w_uk, w_uv, attn.scale, mask, absorbed=n <= ABSORB_MAX_QUERY_LEN
-                    )
+                    if n <= ABSORB_MAX_QUERY_LEN:  # a short extension: the absorbed form, as the model does
+                        o = mla_attention(qn, qr, lat, rope, w_uk, w_uv, attn.scale, mask, absorbed=True)
+                    else:
+                        o = prefill_attention(qn, qr, lat, rope, w_uk, w_uv, attn.scale, mask)
                 outs.append(o[0])
                 offset += n
         o = torch.cat(outs) if len(outs) > 1 else outs[0]  # [T, H, v]
@@ -240,6 +242,27 @@ class ModelRunner:
         if isinstance(layer.mlp, StableLatentMoE) and h.shape[0] * h.shape[1] <= SMALL_MOE_MAX_TOKENS:
             return latent_moe(layer.mlp, h, grouped_experts if self.sync_ok else dense_experts)
         return layer.mlp(h)
+
+
+def prefill_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale, mask=None, causal=False) -> torch.Tensor:
+    """``mla_attention(..., absorbed=False)`` (decompress K/V, then SDPA) with the value heads zero-padded to the
+    query/key head dim (or the reverse): PyTorch's fused CPU attention kernel needs one head dim for q, k and v and
+    otherwise falls back to a path that materialises every score (3-5x slower at long context). Zero columns change
+    nothing: padded query/key dims add 0 to every score, padded value dims are sliced off. ``[B, T, H, v]``."""
+    H = q_nope.shape[2]
+    k_nope = torch.einsum("bsl,hdl->bhsd", latent, w_uk.to(latent.dtype))
+    v = torch.einsum("bsl,hdl->bhsd", latent, w_uv.to(latent.dtype))
+    k = torch.cat([k_nope, k_rope[:, None].expand(-1, H, -1, -1)], dim=-1)
+    q = torch.cat([q_nope, q_rope], dim=-1).transpose(1, 2)
+    qk_dim, v_dim = q.shape[-1], v.shape[-1]
+    if v_dim < qk_dim:
+        v = F.pad(v, (0, qk_dim - v_dim))
+    elif qk_dim < v_dim:
+        q, k = F.pad(q, (0, v_dim - qk_dim)), F.pad(k, (0, v_dim - qk_dim))
+    o = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=None if mask is None else mask[:, None], is_causal=causal, scale=scale
+    )
+    return o[..., :v_dim].transpose(1, 2)
 
 
 def latent_moe(moe: StableLatentMoE, x: torch.Tensor, experts_fn) -> torch.Tensor:

@@ -54,3 +54,23 @@ def test_packed_multi_sequence_prefill_equals_one_at_a_time(tiny, monkeypatch):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-5
         assert_greedy_matches_full_forward(tiny, p, a.token_ids)
+
+
+@pytest.mark.parametrize("qk,v", [(48, 32), (96, 128), (64, 64)])
+def test_prefill_attention_equals_mla_attention(qk, v):
+    """The padded-head SDPA call equals the model's decompressed MLA attention, masked and causal."""
+    from rlk3.engine.runner import prefill_attention
+    from rlk3.model.ops.mla import mla_attention
+
+    rope = 16
+    B, T, S, H, L = 1, 40, 100, 4, 24
+    q_nope, q_rope = torch.randn(B, T, H, qk - rope), torch.randn(B, T, H, rope)
+    latent, k_rope = torch.randn(B, S, L), torch.randn(B, S, rope)
+    w_uk, w_uv = torch.randn(H, qk - rope, L) * 0.2, torch.randn(H, v, L) * 0.2
+    mask = (torch.arange(S)[None, :] <= (S - T + torch.arange(T))[:, None])[None]
+    got = prefill_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, 0.1, mask)
+    assert got.shape == (B, T, H, v)
+    assert rel_err(got, mla_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, 0.1, mask)) <= 1e-5
+    got = prefill_attention(q_nope, q_rope, latent[:, :T], k_rope[:, :T], w_uk, w_uv, 0.1, causal=True)
+    ref = mla_attention(q_nope, q_rope, latent[:, :T], k_rope[:, :T], w_uk, w_uv, 0.1, causal=True)
+    assert rel_err(got, ref) <= 1e-5
