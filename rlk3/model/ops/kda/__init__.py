@@ -6,6 +6,7 @@ kernels when the inputs are CUDA tensors and FLA imports; otherwise they run the
 the reference on any device (the GPU tests compare the two); ``backend="fla"`` insists on FLA. The environment
 variable ``RLK3_KDA_BACKEND`` (``torch`` | ``fla``) sets the default for calls that pass no backend, e.g. to run a
 whole model on the reference path on a GPU.
+``fused_recurrent_kda_pool`` (``pool.py``) is the decode step over a state pool updated in place by index.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ from rlk3.model.ops.kda._args import check_inputs, l2norm
 from rlk3.model.ops.kda.chunk import CHUNK_SIZES, torch_chunk_kda
 from rlk3.model.ops.kda.gate import kda_gate
 from rlk3.model.ops.kda.naive import naive_recurrent_kda
+from rlk3.model.ops.kda.pool import fused_recurrent_kda_pool
 
 __all__ = [
     "chunk_kda",
     "fla_available",
     "fused_recurrent_kda",
+    "fused_recurrent_kda_pool",
     "kda_gate",
     "l2norm",
     "naive_recurrent_kda",

@@ -3,7 +3,8 @@
 ``mla_attention(..., absorbed=False)`` decompresses K/V and runs ordinary multi-head attention (torch SDPA) — the
 compute-friendly form for prefill and training. ``absorbed=True`` folds ``W_UK`` into the query and ``W_UV``
 into the output, attending over the cached latent as one shared KV head (576 numbers per token at K3 size): the
-memory-friendly form for decode. Both equal ``naive.mla_attention_reference``.
+memory-friendly form for decode. Both equal ``naive.mla_attention_reference``. ``paged_mla_decode`` (``paged.py``) is
+the absorbed form over a serving engine's paged latent cache: a torch reference and a Triton kernel on GPU.
 """
 
 from __future__ import annotations
@@ -12,8 +13,15 @@ import torch
 import torch.nn.functional as F
 
 from rlk3.model.ops.mla.naive import mla_attention_reference, split_kv_b
+from rlk3.model.ops.mla.paged import paged_mla_decode
 
-__all__ = ["mla_attention", "mla_attention_absorbed", "mla_attention_reference", "split_kv_b"]
+__all__ = [
+    "mla_attention",
+    "mla_attention_absorbed",
+    "mla_attention_reference",
+    "paged_mla_decode",
+    "split_kv_b",
+]
 
 
 def _check(q_nope, q_rope, latent, k_rope, w_uk, w_uv, mask):

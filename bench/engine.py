@@ -1,0 +1,229 @@
+"""Rollout-engine benchmarks (issue 3): decode throughput against HF generate() of the same weights in the same
+run, and multi-turn prefill with and without the prefix cache.
+
+    python bench/engine.py                       # CPU: k3-tiny, batch 32 x 128 new tokens; 10 turns of +2K tokens
+    python bench/engine.py --device cuda         # GPU: k3-small bf16, batch 1 / 32 / 128, roofline; multi-turn
+
+Prints a table and writes bench/results/engine[-cuda].json. Timings include prefill, sampling and scheduling
+(tokens/s = new tokens / seconds); each number is the best of ``--reps`` runs. Wall-clock and process CPU time are
+both reported: on a shared machine the CPU time of a single-threaded run is the steadier of the two. ``--threads``
+sets torch's intra-op threads for both sides (on a shared machine 1 is far steadier). Outputs of the engine and HF are
+compared token by token as a sanity check (greedy, fp32 on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from rlk3.engine import EngineConfig, RolloutEngine, SamplingParams
+from rlk3.model import K3Config, K3ForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def mixed_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [torch.randint(1, vocab, (m,), generator=g).tolist() for m in lengths]
+
+
+@torch.no_grad()
+def hf_generate(model, batch: list[list[int]], new_tokens: int, device) -> tuple[float, list[list[int]]]:
+    """HF generate() on the batch, left-padded (with an attention mask) when the prompts differ in length."""
+    width = max(len(p) for p in batch)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    mask = torch.zeros(len(batch), width, dtype=torch.long)
+    for i, p in enumerate(batch):
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
+    ids, mask = ids.to(device), mask.to(device)
+    sync(device)
+    t, c = time.perf_counter(), time.process_time()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         do_sample=False, pad_token_id=0)
+    sync(device)
+    return (time.perf_counter() - t, time.process_time() - c), out[:, width:].tolist()
+
+
+def engine_generate(engine, batch, new_tokens, device) -> tuple[tuple[float, float], list[list[int]]]:
+    sync(device)
+    t, c = time.perf_counter(), time.process_time()
+    res = engine.generate(batch, SamplingParams(max_tokens=new_tokens, temperature=0))
+    sync(device)
+    return (time.perf_counter() - t, time.process_time() - c), [r.token_ids for r in res]
+
+
+def decode_throughput(model, device, batch_sizes, prompt_len, new_tokens, reps, cfg: EngineConfig,
+                      mixed: tuple[int, int] | None = None) -> list[dict]:
+    rows = []
+    vocab = model.config.vocab_size
+    engine = RolloutEngine(model, cfg)
+    engine_generate(engine, prompts(2, prompt_len, vocab, 1), 4, device)  # warm-up (CUDA graphs, Triton)
+    for bs in batch_sizes:
+        batch = mixed_prompts(bs, *mixed, vocab, 2) if mixed else prompts(bs, prompt_len, vocab, 2)
+        best_e = best_h = (float("inf"), float("inf"))  # (wall, process CPU) seconds, each the best of reps
+        same = True
+        for _ in range(reps):
+            te, out_e = engine_generate(engine, batch, new_tokens, device)
+            th, out_h = hf_generate(model, batch, new_tokens, device)
+            best_e = (min(best_e[0], te[0]), min(best_e[1], te[1]))
+            best_h = (min(best_h[0], th[0]), min(best_h[1], th[1]))
+            same &= out_e == out_h
+        n = bs * new_tokens
+        row = dict(batch=bs, prompt_len=f"{mixed[0]}-{mixed[1]}" if mixed else prompt_len, new_tokens=new_tokens,
+                   engine_tok_s=n / best_e[0], hf_tok_s=n / best_h[0], speedup=best_h[0] / best_e[0],
+                   engine_tok_cpu_s=n / best_e[1], hf_tok_cpu_s=n / best_h[1], speedup_cpu=best_h[1] / best_e[1],
+                   token_identical=same)
+        if device.type == "cuda":
+            context = sum(len(p) for p in batch) / bs + new_tokens / 2  # the mean cached length over the run
+            row.update(roofline(model, engine, bs, context, device))
+            row["fraction_of_roofline"] = row["engine_tok_s"] / row["roofline_tok_s"]
+        rows.append(row)
+    return rows
+
+
+def roofline(model, engine, batch: int, context: int, device) -> dict:
+    """Decode tokens/s if a step only had to read what it must (weights once, every sequence's KDA state read and
+    written, its MLA latents read) at the measured device-to-device copy bandwidth."""
+    x = torch.empty(1 << 28, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    sync(device)
+    bandwidth = 2 * x.numel() * 10 / (time.perf_counter() - t)  # read + write bytes per second
+    cfg = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # dense experts read them all
+    weights -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
+    lay = engine.layout
+    state = len(lay.kda_layers) * (cfg.kda_num_heads * cfg.kda_head_dim**2 * 4) * 2  # read + write
+    latents = context * lay.mla_token_bytes
+    step_bytes = int(weights + batch * (state + latents))
+    return dict(bandwidth_gb_s=bandwidth / 1e9, step_bytes=step_bytes,
+                roofline_tok_s=batch / (step_bytes / bandwidth))
+
+
+def multi_turn(model, device, turns: int, turn_tokens: int, gen_tokens: int, cfg: EngineConfig) -> dict:
+    """An agent loop that re-sends the whole conversation each turn (add_request), with the prefix cache on and
+    off; and the same conversation kept in one request with extend() for reference."""
+    vocab = model.config.vocab_size
+    out = {}
+    for name, enable in (("prefix_cache", True), ("no_cache", False)):
+        engine = RolloutEngine(model, EngineConfig(**{**cfg.__dict__, "enable_prefix_cache": enable}))
+        conv = []
+        g = torch.Generator().manual_seed(3)
+        per_turn = []
+        for turn in range(turns):
+            conv = conv + torch.randint(1, vocab, (turn_tokens,), generator=g).tolist()
+            before, cpu = engine.stats(), time.process_time()
+            res = engine.generate([conv], SamplingParams(max_tokens=gen_tokens, temperature=0))[0]
+            sync(device)
+            after = engine.stats()
+            per_turn.append(dict(turn=turn + 1, context=len(conv), cached=res.num_cached_tokens,
+                                 prefill_tokens=after.prefill_tokens - before.prefill_tokens,
+                                 prefill_seconds=after.prefill_seconds - before.prefill_seconds,
+                                 turn_cpu_seconds=time.process_time() - cpu))
+            conv = conv + res.token_ids
+        out[name] = dict(prefill_tokens=sum(t["prefill_tokens"] for t in per_turn),
+                         prefill_seconds=sum(t["prefill_seconds"] for t in per_turn),
+                         cpu_seconds=sum(t["turn_cpu_seconds"] for t in per_turn), turns=per_turn)
+    # the same conversation as one request continued with extend(): nothing is recomputed
+    engine = RolloutEngine(model, cfg)
+    g = torch.Generator().manual_seed(3)
+    cpu = time.process_time()
+    rid = engine.add_request(torch.randint(1, vocab, (turn_tokens,), generator=g).tolist(),
+                             SamplingParams(max_tokens=gen_tokens, temperature=0))
+    for turn in range(turns):
+        while engine.has_unfinished():
+            engine.step()
+        if turn + 1 < turns:
+            engine.extend(rid, torch.randint(1, vocab, (turn_tokens,), generator=g).tolist())
+    stats = engine.stats()
+    out["extend"] = dict(prefill_tokens=stats.prefill_tokens, prefill_seconds=stats.prefill_seconds,
+                         cpu_seconds=time.process_time() - cpu)
+    out["time_ratio"] = out["no_cache"]["prefill_seconds"] / out["prefix_cache"]["prefill_seconds"]
+    out["cpu_time_ratio"] = out["no_cache"]["cpu_seconds"] / out["prefix_cache"]["cpu_seconds"]
+    out["token_ratio"] = out["no_cache"]["prefill_tokens"] / out["prefix_cache"]["prefill_tokens"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--turns", type=int, default=10)
+    ap.add_argument("--turn-tokens", type=int, default=2048)
+    ap.add_argument("--skip", choices=["decode", "multi-turn"], action="append", default=[])
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    preset, dtype = ("k3-small", torch.bfloat16) if cuda else ("k3-tiny", torch.float32)
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.preset(preset)).to(device, dtype).eval()
+    cfg = EngineConfig(memory_bytes=(40 * 2**30 if cuda else 256 * 2**20), max_tokens_per_step=2048 if cuda else 512,
+                       prefill_chunk=512 if cuda else 256)
+    result = dict(device=str(device), gpu=torch.cuda.get_device_name(device) if cuda else None, preset=preset,
+                  dtype=str(dtype), threads=args.threads, torch=torch.__version__,
+                  load_average=os.getloadavg(), config={k: v for k, v in cfg.__dict__.items()})
+
+    if "decode" not in args.skip:
+        sizes = [1, 32, 128] if cuda else [32]
+        result["decode"] = decode_throughput(model, device, sizes, args.prompt_len, args.new_tokens, args.reps, cfg)
+        # RL prompts differ in length: HF pads them (left, with a mask), the engine packs them
+        result["decode"] += decode_throughput(model, device, [32], args.prompt_len, args.new_tokens, args.reps, cfg,
+                                              mixed=(16, 256))
+        print(f"\n{preset} ({dtype}, {device}, {args.threads} threads): decode, {args.new_tokens} new tokens")
+        print("| batch | prompt tokens | engine tok/s | HF generate tok/s | speedup | speedup (CPU time) "
+              "| token-identical |" + (" roofline tok/s | of roofline |" if cuda else ""))
+        print("|---:|---:|---:|---:|---:|---:|:---:|" + ("---:|---:|" if cuda else ""))
+        for r in result["decode"]:
+            line = (f"| {r['batch']} | {r['prompt_len']} | {r['engine_tok_s']:.0f} | {r['hf_tok_s']:.0f} "
+                    f"| {r['speedup']:.2f}x | {r['speedup_cpu']:.2f}x | {r['token_identical']} |")
+            if cuda:
+                line += f" {r['roofline_tok_s']:.0f} | {r['fraction_of_roofline']:.2f} |"
+            print(line)
+
+    if "multi-turn" not in args.skip:
+        mt = multi_turn(model, device, args.turns, args.turn_tokens, 16, cfg)
+        result["multi_turn"] = mt
+        print(f"\nmulti-turn: {args.turns} turns of +{args.turn_tokens} tokens (16 generated per turn), "
+              "whole conversation re-sent each turn")
+        print("| | prefill tokens | prefill seconds (wall) | process CPU seconds (all 10 turns) |")
+        print("|---|---:|---:|---:|")
+        for name in ("no_cache", "prefix_cache", "extend"):
+            m = mt[name]
+            print(f"| {name} | {m['prefill_tokens']} | {m['prefill_seconds']:.2f} | {m['cpu_seconds']:.2f} |")
+        print(f"prefix cache: {mt['token_ratio']:.2f}x fewer prefill tokens, {mt['time_ratio']:.2f}x less prefill "
+              f"time, {mt['cpu_time_ratio']:.2f}x less CPU time")
+
+    out = args.out or ROOT / "bench" / "results" / f"engine{'-cuda' if cuda else ''}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,620 @@
+"""``RolloutEngine``: the rollout engine's API (DESIGN.md §3) over the scheduler, the pool and the model runner.
+
+The engine is synchronous and single-threaded: the caller drives it with ``step()`` (or the blocking
+``generate()``), and every other call happens between steps, so "pause" stops a request at its current token.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rlk3.engine.config import EngineConfig, EngineConfigError, SamplingParams
+from rlk3.engine.pool import PagedPool, PoolLayout, budget_bytes
+from rlk3.engine.prefix_cache import PrefixCache
+from rlk3.engine.request import FinishReason, GenerationResult, Request, RequestStatus
+from rlk3.engine.runner import ForwardBatch, ModelRunner
+from rlk3.engine.sampling import sample
+from rlk3.engine.scheduler import Scheduler
+
+# Multi-token sequences share one masked MLA attention while (new tokens) x (their cached + new tokens) stays under
+# this many mask entries: that saves per-sequence overhead for short chunks, but the packed attention also computes
+# every cross-sequence score, so longer prefills attend one sequence at a time.
+PACKED_PREFILL_MAX = 1 << 16
+
+
+class EngineError(RuntimeError):
+    """A call that is not valid in the engine's current state (released memory, wrong request status)."""
+
+
+class UnknownRequestError(ValueError):
+    """A request id the engine does not know (never added, or already aborted / released)."""
+
+
+@dataclass
+class PoolStats:
+    budget_bytes: int  # the byte budget the pool was sized from
+    allocated_bytes: int  # what the pool holds now (0 after release_memory)
+    page_bytes: int
+    block_size: int  # MLA tokens per page
+    pages_per_slot: int  # pages of one request's KDA state
+    total_pages: int
+    free_pages: int
+    request_pages: int  # pages referenced by requests (shared prefix pages counted once)
+    prefix_cache_pages: int  # pages referenced only by the prefix cache
+
+
+@dataclass
+class PrefixCacheStats:
+    blocks: int  # cached hash blocks on the device
+    checkpoints: int  # of which carry a KDA checkpoint
+    lookups: int
+    hits: int  # admissions that resumed from a checkpoint
+    hit_tokens: int  # prompt tokens not recomputed thanks to the cache
+    evictions: int
+    spilled_blocks: int
+    spilled_bytes: int
+    restores: int  # spilled blocks brought back on a hit
+    checkpoints_taken: int
+    checkpoints_skipped: int  # no room for a checkpoint even after eviction
+
+
+@dataclass
+class EngineStats:
+    version: int  # the current policy version
+    steps: int
+    prefill_tokens: int  # tokens computed in multi-token chunks (prompts, extensions, recomputation)
+    decode_tokens: int  # tokens computed one per sequence per step
+    generated_tokens: int  # tokens sampled
+    prefill_seconds: float  # forward + sampling time of steps that computed any multi-token chunk
+    decode_seconds: float  # ... of steps that computed only single tokens
+    preemptions: int
+    dropped_caches: int  # paused / finished caches given up under memory pressure or by a weight update
+    num_waiting: int
+    num_running: int
+    num_paused: int
+    num_finished: int  # finished and not yet released
+    pool: PoolStats
+    prefix_cache: PrefixCacheStats | None
+
+
+def _token_list(ids, name: str) -> list[int]:
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() != 1 or ids.is_floating_point():
+            raise ValueError(
+                f"{name} must be a 1-D integer tensor or a list of ints, got {ids.dtype} {list(ids.shape)}"
+            )
+        return ids.tolist()
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+        raise ValueError(f"{name} must be a list of token ids, got {type(ids).__name__}")
+    out = list(ids)
+    for t in out:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise ValueError(f"{name} must contain ints, got {t!r} ({type(t).__name__})")
+    return out
+
+
+class RolloutEngine:
+    """Generation for RL rollouts on a K3 model (docs/engine.md)."""
+
+    def __init__(self, model, config: EngineConfig | None = None, tokenizer=None):
+        config = config if config is not None else EngineConfig()
+        if not isinstance(config, EngineConfig):
+            raise EngineConfigError(f"RolloutEngine: config must be an EngineConfig, got {type(config).__name__}")
+        if not hasattr(model, "config") or not hasattr(model.config, "layer_kinds") or not hasattr(model, "model"):
+            raise EngineConfigError(f"RolloutEngine: model must be a K3ForCausalLM, got {type(model).__name__}")
+        self.model = model.eval()
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = model.config.vocab_size
+        self.device = next(model.parameters()).device
+        cache_dtype = model.model.embed_tokens.weight.dtype
+        self.layout = PoolLayout.for_model(model.config, cache_dtype, config.block_size, config.prefix_block_tokens)
+        self.pool = PagedPool(self.layout, budget_bytes(config.memory_bytes, config.memory_fraction, self.device),
+                              self.device)
+        self.prefix = (
+            PrefixCache(self.pool, config.prefix_block_tokens, config.spill_bytes) if config.enable_prefix_cache
+            else None
+        )
+        self.requests: dict[str, Request] = {}
+        self.scheduler = Scheduler(config, self.pool, self.prefix, self.requests)
+        self.runner = ModelRunner(model, self.layout, config.backend)
+        self.version = 0
+        self.released = False
+        self._arrivals = itertools.count()
+        self._ids = itertools.count()
+        self._seeds = torch.Generator().manual_seed(config.seed)
+        self._graphs = None  # CUDA graphs of the decode step, captured on first use (cuda_graphs.py)
+        self._steps = self._prefill_tokens = self._decode_tokens = self._generated = 0
+        self._prefill_seconds = self._decode_seconds = 0.0
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        prompt_ids: Sequence[int] | torch.Tensor,
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        turn_ends: Sequence[int] = (),
+    ) -> str:
+        """Queues a prompt; returns its id. ``turn_ends``: positions in the prompt where earlier turns end (the
+        agent loop's marks); the last block boundary at or before each keeps a KDA checkpoint in the prefix cache,
+        as does the prompt's own end (``checkpoint_prompt_end``)."""
+        sampling = self._check_sampling(sampling)
+        tokens = self._check_tokens(prompt_ids, "prompt_ids")
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+            while request_id in self.requests:
+                request_id = f"req-{next(self._ids)}"
+        elif not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty str or None, got {request_id!r}")
+        elif request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use (abort or release it first)")
+        self._check_fits(len(tokens) + sampling.max_tokens, f"request {request_id!r}")
+        req = Request(
+            request_id=request_id, tokens=tokens, sampling=sampling, generator=self._generator(sampling),
+            arrival=next(self._arrivals), turn_start=len(tokens),
+        )
+        self._mark_turn_ends(req, turn_ends, 0)
+        self.requests[request_id] = req
+        self.scheduler.enqueue(req)
+        return request_id
+
+    def extend(
+        self,
+        request_id: str,
+        token_ids: Sequence[int] | torch.Tensor,
+        sampling: SamplingParams | None = None,
+        *,
+        turn_ends: Sequence[int] = (),
+    ) -> None:
+        """Appends ``token_ids`` (tool output, the next user turn) to a paused or finished request and continues it
+        as a new turn, reusing its cache: only the appended tokens (and the last sampled one) are computed.
+        ``sampling`` defaults to the request's previous parameters (a fresh ``max_tokens`` budget)."""
+        req = self._get(request_id)
+        if req.status not in (RequestStatus.PAUSED, RequestStatus.FINISHED):
+            raise EngineError(
+                f"extend: request {request_id!r} is {req.status.value}; only paused or finished requests can be "
+                f"extended (pause it first)"
+            )
+        sampling = self._check_sampling(sampling) if sampling is not None else req.sampling
+        tokens = self._check_tokens(token_ids, "token_ids")
+        self._check_fits(len(req.tokens) + len(tokens) + sampling.max_tokens, f"request {request_id!r}")
+        start = len(req.tokens)
+        if sampling is not req.sampling and sampling.seed is not None:
+            req.generator = self._generator(sampling)
+        req.tokens += tokens
+        req.sampling = sampling
+        req.turn += 1
+        req.turn_start = len(req.tokens)
+        req.logprobs, req.versions, req.finish_reason = [], [], None
+        req.arrival = next(self._arrivals)
+        req.num_cached_tokens = req.num_computed  # this turn reuses what the request's cache holds
+        self._mark_turn_ends(req, turn_ends, start)
+        if req.has_cache:
+            req.priority = next(self.scheduler._admissions)
+            self.scheduler.add_running(req)
+        else:
+            self.scheduler.enqueue(req)
+
+    def pause(self, request_ids: str | Iterable[str]) -> list[GenerationResult]:
+        """Stops requests at their current token, keeping their cache (MLA pages and KDA state) for ``resume``.
+        Returns their partial results. Pausing a paused request does nothing."""
+        out = []
+        for req in self._many(request_ids):
+            if req.status == RequestStatus.FINISHED:
+                raise EngineError(f"pause: request {req.request_id!r} is finished (extend or release it instead)")
+            if req.status != RequestStatus.PAUSED:
+                self.scheduler.remove(req)
+                req.status = RequestStatus.PAUSED
+            out.append(req.result())
+        return out
+
+    def resume(self, request_ids: str | Iterable[str]) -> None:
+        """Continues paused requests where they stopped (recomputed first if their cache had to be dropped)."""
+        reqs = self._many(request_ids)
+        for req in reqs:
+            if req.status != RequestStatus.PAUSED:
+                raise EngineError(f"resume: request {req.request_id!r} is {req.status.value}, not paused")
+        for req in reqs:
+            if req.has_cache:
+                self.scheduler.add_running(req)
+            else:
+                self.scheduler.enqueue(req)
+
+    def abort(self, request_ids: str | Iterable[str]) -> list[GenerationResult]:
+        """Ends requests in any state and forgets them; unfinished ones end with ``FinishReason.ABORT``."""
+        out = []
+        for req in self._many(request_ids):
+            if req.status != RequestStatus.FINISHED:
+                req.finish_reason = FinishReason.ABORT
+            req.status = RequestStatus.FINISHED
+            out.append(req.result())
+            self._forget(req)
+        return out
+
+    def release(self, request_ids: str | Iterable[str]) -> None:
+        """Forgets finished requests (their full blocks stay in the prefix cache); ``extend`` is no longer possible."""
+        reqs = self._many(request_ids)
+        for req in reqs:
+            if req.status != RequestStatus.FINISHED:
+                raise EngineError(f"release: request {req.request_id!r} is {req.status.value}; abort it instead")
+        for req in reqs:
+            self._forget(req)
+
+    def result(self, request_id: str) -> GenerationResult:
+        """The current state of a request's turn (partial while it runs)."""
+        return self._get(request_id).result()
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self) -> list[GenerationResult]:
+        """Runs one scheduler step (one forward pass); returns the results of requests that finished in it."""
+        if self.released:
+            raise EngineError("step: the pool was released (release_memory); call reacquire_memory() first")
+        plan = self.scheduler.schedule()
+        if not plan:
+            return []
+        start = time.perf_counter()
+        batch = self._batch(plan)
+        logits = self._forward(batch)
+        wanted = [req for req, n in plan if req.num_computed + n == len(req.tokens)]
+        for req, n in plan:
+            req.num_computed += n
+            self.scheduler.register(req)
+        finished = self._sample(wanted, logits)
+        elapsed = time.perf_counter() - start
+        self._steps += 1
+        multi = sum(n for _, n in plan if n > 1)
+        self._prefill_tokens += multi
+        self._decode_tokens += sum(n for _, n in plan if n == 1)
+        if multi:
+            self._prefill_seconds += elapsed
+        else:
+            self._decode_seconds += elapsed
+        return finished
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[GenerationResult]:
+        """Generates one turn for each prompt (blocking) and returns the results in prompt order. The requests are
+        released afterwards (their blocks stay in the prefix cache)."""
+        if isinstance(prompts, torch.Tensor) or not isinstance(prompts, Sequence) or not prompts:
+            raise ValueError("generate: prompts must be a non-empty list of token-id lists")
+        if sampling is None or isinstance(sampling, SamplingParams):
+            params = [sampling] * len(prompts)
+        else:
+            params = list(sampling)
+            if len(params) != len(prompts):
+                raise ValueError(f"generate: {len(prompts)} prompts but {len(params)} SamplingParams")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.add_request(prompt, p))
+            while any(self.requests[i].status != RequestStatus.FINISHED for i in ids):
+                steps_before = self._steps
+                self.step()
+                if self._steps == steps_before:
+                    raise EngineError("generate: no request could be scheduled (is a request paused?)")
+            results = [self.requests[i].result() for i in ids]
+        except BaseException:
+            self.abort([i for i in ids if i in self.requests])
+            raise
+        self.release(ids)
+        return results
+
+    # ------------------------------------------------------------------ weights and memory
+
+    @torch.no_grad()
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                       version: int) -> None:
+        """Copies new weights into the model in place (a full or partial state dict, or an iterable of
+        ``(name, tensor)`` pairs, e.g. streamed in buckets) and sets the policy version that tags every token
+        sampled from now on. The prefix cache is invalidated. Requests keep their caches (computed under the old
+        weights) unless ``recompute_on_weight_update``, which recomputes them under the new ones."""
+        if isinstance(version, bool) or not isinstance(version, int) or version <= self.version:
+            raise ValueError(f"update_weights: version must be an int greater than the current {self.version}, "
+                             f"got {version!r}")
+        params = dict(self.model.named_parameters())
+        params.update(dict(self.model.named_buffers()))
+        items = list(state_dict.items() if isinstance(state_dict, Mapping) else state_dict)
+        for name, tensor in items:  # check everything before touching anything
+            if name not in params:
+                raise ValueError(f"update_weights: unknown weight {name!r} (not in the model's state dict)")
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise ValueError(f"update_weights: {name!r} has shape {list(tensor.shape)}, the model's is "
+                                 f"{list(params[name].shape)}")
+        for name, tensor in items:
+            params[name].copy_(tensor)
+        self.runner.refresh_weights()
+        self.version = self.scheduler.version = version
+        if self.prefix is not None:
+            self.prefix.clear()
+        if self.config.recompute_on_weight_update:
+            for req in list(self.requests.values()):
+                if req.status == RequestStatus.RUNNING:
+                    self.scheduler.preempt(req)
+                elif req.has_cache:
+                    self.scheduler.drop_cache(req)
+
+    def release_memory(self) -> None:
+        """Frees the whole pool (colocation: training gets the memory). Every cache is dropped; requests stay and
+        are recomputed after ``reacquire_memory``. ``step`` refuses to run in between."""
+        if self.released:
+            return
+        for req in list(self.requests.values()):
+            if req.status == RequestStatus.RUNNING:
+                self.scheduler.preempt(req)
+            elif req.has_cache:
+                self.scheduler.drop_cache(req)
+        if self.prefix is not None:
+            self.prefix.clear()
+        if self._graphs is not None:  # they point into the pool and hold scratch pages
+            self._graphs.close()
+            self._graphs = None
+        self.pool.release()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.released = True
+
+    def reacquire_memory(self) -> None:
+        """Re-creates the pool released by ``release_memory``."""
+        if not self.released:
+            return
+        self.pool.reacquire()
+        self.released = False
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self) -> EngineStats:
+        counts = {s: 0 for s in RequestStatus}
+        for req in self.requests.values():
+            counts[req.status] += 1
+        referenced = {p for r in self.requests.values() for p in r.pages + (r.slot or [])}
+        cache_pages = set(self.prefix.pages_held()) if self.prefix is not None else set()
+        pool = PoolStats(
+            budget_bytes=self.pool.budget, allocated_bytes=self.pool.allocated_bytes,
+            page_bytes=self.layout.page_bytes, block_size=self.layout.block_size,
+            pages_per_slot=self.layout.pages_per_slot, total_pages=self.pool.num_pages,
+            free_pages=self.pool.num_free, request_pages=len(referenced),
+            prefix_cache_pages=len(cache_pages - referenced),
+        )
+        prefix = None
+        if self.prefix is not None:
+            c = self.prefix
+            prefix = PrefixCacheStats(
+                blocks=c.num_blocks, checkpoints=c.num_checkpoints, lookups=c.lookups, hits=c.hits,
+                hit_tokens=c.hit_tokens, evictions=c.evictions, spilled_blocks=len(c.spilled),
+                spilled_bytes=c.spilled_bytes, restores=c.restores, checkpoints_taken=c.checkpoints_taken,
+                checkpoints_skipped=c.checkpoints_skipped,
+            )
+        return EngineStats(
+            version=self.version, steps=self._steps, prefill_tokens=self._prefill_tokens,
+            decode_tokens=self._decode_tokens, generated_tokens=self._generated,
+            prefill_seconds=self._prefill_seconds, decode_seconds=self._decode_seconds,
+            preemptions=self.scheduler.preemptions, dropped_caches=self.scheduler.dropped_caches,
+            num_waiting=counts[RequestStatus.WAITING], num_running=counts[RequestStatus.RUNNING],
+            num_paused=counts[RequestStatus.PAUSED], num_finished=counts[RequestStatus.FINISHED],
+            pool=pool, prefix_cache=prefix,
+        )
+
+    def clear_prefix_cache(self) -> None:
+        if self.prefix is not None:
+            self.prefix.clear()
+
+    def check_invariants(self) -> None:
+        """Raises ``AssertionError`` if the pool's bookkeeping is inconsistent: every page's reference count equals
+        the references held by requests, the prefix cache and the CUDA-graph scratch; free pages are exactly those
+        with none; the pool never holds more than its budget; every admitted request has room for what it
+        computed. A debugging aid (the stress test calls it every step); O(pages)."""
+        pool = self.pool
+        assert pool.allocated_bytes <= pool.budget, (pool.allocated_bytes, pool.budget)
+        if self.released:
+            assert pool.allocated_bytes == 0
+            return
+        refs = [0] * pool.num_pages
+        for req in self.requests.values():
+            for p in req.pages + (req.slot or []):
+                refs[p] += 1
+            if req.slot is not None:
+                assert req.status != RequestStatus.WAITING, req.request_id
+                assert len(req.slot) == self.layout.pages_per_slot
+                if self.layout.mla_layers:
+                    assert len(req.pages) * self.layout.block_size >= req.num_computed, req.request_id
+            else:
+                assert req.num_computed == 0 and not req.pages, req.request_id
+            if req.status == RequestStatus.RUNNING:
+                assert req in self.scheduler.running and req.slot is not None, req.request_id
+            if req.status == RequestStatus.WAITING:
+                assert req in self.scheduler.waiting, req.request_id
+        if self.prefix is not None:
+            for p in self.prefix.pages_held():
+                refs[p] += 1
+        if self._graphs is not None:
+            for p in self._graphs.scratch:
+                refs[p] += 1
+        assert refs == pool.refcount, "page reference counts disagree with their holders"
+        free = set(pool._free)
+        assert len(free) == len(pool._free), "a page is on the free list twice"
+        assert free == {p for p, n in enumerate(refs) if n == 0}, "free list disagrees with reference counts"
+
+    # ------------------------------------------------------------------ internals
+
+    def _get(self, request_id: str) -> Request:
+        req = self.requests.get(request_id) if isinstance(request_id, str) else None
+        if req is None:
+            raise UnknownRequestError(f"unknown request id {request_id!r}")
+        return req
+
+    def _many(self, request_ids: str | Iterable[str]) -> list[Request]:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        return [self._get(i) for i in ids]  # all checked before any is touched
+
+    def _forget(self, req: Request) -> None:
+        self.scheduler.remove(req)
+        if req.has_cache or req.pages:
+            self.scheduler.free_cache(req)
+        del self.requests[req.request_id]
+
+    def _check_sampling(self, sampling) -> SamplingParams:
+        sampling = sampling if sampling is not None else SamplingParams()
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        bad = [t for t in sampling.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"SamplingParams.stop_token_ids {bad} are out of the vocabulary [0, {self.vocab_size})")
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError("SamplingParams.stop (stop strings) needs a tokenizer: RolloutEngine(..., tokenizer=...)")
+        return sampling
+
+    def _check_tokens(self, ids, name: str) -> list[int]:
+        tokens = _token_list(ids, name)
+        if not tokens:
+            raise ValueError(f"{name} is empty; at least one token is needed")
+        lo, hi = min(tokens), max(tokens)
+        if lo < 0 or hi >= self.vocab_size:
+            raise ValueError(f"{name} has token ids out of the vocabulary [0, {self.vocab_size}): min {lo}, max {hi}")
+        return tokens
+
+    def _check_fits(self, total_tokens: int, what: str) -> None:
+        limit = self.config.max_model_len
+        if limit is not None and total_tokens > limit:
+            raise ValueError(f"{what} needs {total_tokens} tokens (prompt + max_tokens), over max_model_len={limit}")
+        need = self.scheduler.pages_for(total_tokens)
+        if need > self.pool.num_pages:
+            raise ValueError(
+                f"{what} needs {total_tokens} tokens (prompt + max_tokens) = {need} pages of "
+                f"{self.layout.page_bytes} bytes ({need * self.layout.page_bytes} bytes), but the whole pool is "
+                f"{self.pool.num_pages} pages ({self.pool.num_pages * self.layout.page_bytes} bytes)"
+            )
+
+    def _generator(self, sampling: SamplingParams) -> torch.Generator:
+        seed = sampling.seed
+        if seed is None:  # drawn from the engine's seed: reproducible given the same sequence of calls
+            seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def _mark_turn_ends(self, req: Request, turn_ends: Sequence[int], offset: int) -> None:
+        B = self.config.prefix_block_tokens
+        new = len(req.tokens) - offset
+        for pos in turn_ends:
+            if isinstance(pos, bool) or not isinstance(pos, int) or not 1 <= pos <= new:
+                raise ValueError(f"turn_ends positions must be ints in [1, {new}], got {pos!r}")
+            req.marks.add((offset + pos) // B)
+        if self.config.checkpoint_prompt_end:
+            req.marks.add(len(req.tokens) // B)
+        req.marks.discard(0)
+
+    def _batch(self, plan: list[tuple[Request, int]]) -> ForwardBatch:
+        """The runner's view of a step (see ``ForwardBatch``): packed tokens, pages, and the gather indices."""
+        bs, W, N = self.layout.block_size, self.layout.conv_width, len(plan)
+        has_mla = bool(self.layout.mla_layers)
+        ids, write_pages, write_offsets, logit_rows, conv_src, conv_new = [], [], [], [], [], []
+        starts, lens, slots, tables, seq_lens, multi = [], [], [], [], [], []
+        width = max(math.ceil((r.num_computed + n) / bs) for r, n in plan) if has_mla else 1
+        for s, (req, n) in enumerate(plan):
+            start, row = req.num_computed, len(ids)
+
+            def src(p, s=s, row=row):  # buffer row of the input p tokens into this chunk (p < 0: the cache)
+                return N * W + row + p if p >= 0 else s * W + W + p
+
+            conv_src += [[src(i - (W - j)) for j in range(W + 1)] for i in range(n)]
+            conv_new.append([src(n - W + r) for r in range(W)])
+            ids += req.tokens[start : start + n]
+            if has_mla:
+                write_pages += [req.pages[pos // bs] for pos in range(start, start + n)]
+                write_offsets += [pos % bs for pos in range(start, start + n)]
+            if start + n == len(req.tokens):
+                logit_rows.append(len(ids) - 1)
+            if n > 1:
+                starts.append(start)
+                lens.append(n)
+                multi.append(req)
+            slots.append(req.slot)
+            used = math.ceil((start + n) / bs)
+            tables.append(req.pages[:used] + [0] * (width - used))
+            seq_lens.append(start + n)
+        dev = self.device
+
+        def t(x):
+            return torch.tensor(x, dtype=torch.long, device=dev)
+
+        batch = ForwardBatch(
+            input_ids=t(ids), num_decode=N - len(multi), prefill_starts=starts, prefill_lens=lens,
+            slot_pages=t(slots) if self.layout.pages_per_slot else torch.zeros(N, 0, dtype=torch.long, device=dev),
+            block_tables=t(tables), seq_lens=t(seq_lens), write_pages=t(write_pages), write_offsets=t(write_offsets),
+            logit_rows=t(logit_rows), conv_src=t(conv_src).reshape(-1, W + 1), conv_new=t(conv_new).reshape(N, W),
+        )
+        total_q, total_k = sum(lens), sum(a + n for a, n in zip(starts, lens))
+        if has_mla and len(multi) > 1 and total_q * total_k <= PACKED_PREFILL_MAX:
+            q_seg, q_pos, k_seg, k_pos, pages = [], [], [], [], []
+            for j, (req, a, n) in enumerate(zip(multi, starts, lens)):
+                positions = torch.arange(a + n)
+                q_seg.append(torch.full((n,), j))
+                q_pos.append(positions[a:])
+                k_seg.append(torch.full((a + n,), j))
+                k_pos.append(positions)
+                pages.append(torch.tensor(req.pages)[positions // bs])
+            q_seg, q_pos, k_seg, k_pos = (torch.cat(x) for x in (q_seg, q_pos, k_seg, k_pos))
+            mask = (q_seg[:, None] == k_seg[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+            batch.ctx_pages = torch.cat(pages).to(dev)
+            batch.ctx_offsets = (k_pos % bs).to(dev)
+            batch.ctx_mask = mask.to(dev)
+        return batch
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        graphs_ok = self.device.type == "cuda" and self.config.cuda_graphs and self.config.backend == "auto"
+        if graphs_ok and not batch.prefill_lens:
+            if self._graphs is None:
+                from rlk3.engine.cuda_graphs import DecodeGraphs
+
+                self._graphs = DecodeGraphs(self.runner, self.pool, self.config)
+            logits = self._graphs.run(batch)
+            if logits is not None:
+                return logits
+        return self.runner.forward(self.pool, batch)
+
+    def _sample(self, wanted: list[Request], logits: torch.Tensor) -> list[GenerationResult]:
+        if not wanted:
+            return []
+        tokens, logprobs = sample(logits, [r.sampling for r in wanted], [r.generator for r in wanted])
+        finished = []
+        for req, tok, lp in zip(wanted, tokens, logprobs):
+            req.tokens.append(tok)
+            req.logprobs.append(lp)
+            req.versions.append(self.version)
+            self._generated += 1
+            reason = self._finish_reason(req, tok)
+            if reason is not None:
+                req.finish_reason = reason
+                self.scheduler.running.remove(req)
+                req.status = RequestStatus.FINISHED
+                self.scheduler.mark_finished(req)
+                finished.append(req.result())
+        return finished
+
+    def _finish_reason(self, req: Request, token: int) -> FinishReason | None:
+        p = req.sampling
+        if token in p.stop_token_ids:
+            return FinishReason.STOP
+        if p.stop:
+            # the stop string must appear in this turn's output; a window of recent tokens suffices, each token
+            # being at least one byte of text
+            window = req.tokens[req.turn_start :][-(4 * max(len(s) for s in p.stop) + 8) :]
+            text = self.tokenizer.decode(window)
+            if any(s in text for s in p.stop):
+                return FinishReason.STOP
+        if req.num_generated >= p.max_tokens:
+            return FinishReason.LENGTH
+        if self.config.max_model_len is not None and len(req.tokens) >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None

@@ -1,0 +1,229 @@
+"""Prefix cache: 512-token hash blocks whose MLA entries are shared pages, and KDA state checkpoints at some of the
+block boundaries (DESIGN.md §4, the seed's "KDA states and MLA KV blocks share one paged pool").
+
+* The token stream is cut into blocks of ``block_tokens``; block ``i``'s key is a hash of block ``i − 1``'s key and
+  its own tokens, so a key names the whole prefix up to the end of that block.
+* An entry holds the block's MLA pages (every MLA layer's latents for those tokens; reusable at any boundary) and,
+  at some boundaries only, a **checkpoint**: a copy of every KDA layer's recurrent state and conv caches after
+  the block's last token. A KDA state cannot be rewound, so it is reusable only where such a copy was taken.
+* Lookup is two-stage: the longest run of matching keys, then the latest boundary inside it whose entry has a
+  checkpoint; prefill resumes there. Because a checkpoint belongs to the entry of the block it ends, and that
+  entry's key names the whole prefix, a state can only be restored where exactly that prefix was computed.
+* Eviction is LRU over entries that would free pages. A chain is touched leaf first, so its root is the most
+  recently used and a prefix is evicted from its tail. With ``spill_bytes > 0`` evicted entries are copied to
+  CPU memory (its own LRU) and come back on a hit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from rlk3.engine.pool import PagedPool
+
+ROOT = b"rlk3-prefix-root"
+
+
+def block_hash(parent: bytes, tokens: list[int]) -> bytes:
+    """The chained key of one block: blake2b over the parent's key and the token ids (int64, little-endian)."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(torch.tensor(tokens, dtype=torch.int64).numpy().tobytes())
+    return h.digest()
+
+
+@dataclass(eq=False)
+class Entry:
+    key: bytes
+    depth: int  # blocks from the start: the boundary after this block is depth + 1 blocks in
+    pages: list[int] | None = None  # MLA pages on the device (None while spilled)
+    checkpoint: list[int] | None = None  # KDA slot pages on the device
+    spilled_pages: torch.Tensor | None = None  # CPU copies while spilled
+    spilled_checkpoint: torch.Tensor | None = None
+
+    @property
+    def has_checkpoint(self) -> bool:
+        return self.checkpoint is not None or self.spilled_checkpoint is not None
+
+    @property
+    def spilled_bytes(self) -> int:
+        return sum(t.numel() for t in (self.spilled_pages, self.spilled_checkpoint) if t is not None)
+
+
+@dataclass
+class Match:
+    """A lookup's answer: resume after ``blocks`` blocks, from these entries (``blocks`` of them), the last of which
+    holds the checkpoint; ``matched`` is the longest run of matching keys (>= blocks)."""
+
+    blocks: int
+    matched: int
+    entries: list[Entry]
+
+
+class PrefixCache:
+    def __init__(self, pool: PagedPool, block_tokens: int, spill_bytes: int = 0):
+        self.pool = pool
+        self.block_tokens = block_tokens
+        self.pages_per_block = block_tokens // pool.layout.block_size if pool.layout.mla_layers else 0
+        self.spill_limit = spill_bytes
+        self.device: OrderedDict[bytes, Entry] = OrderedDict()  # LRU first
+        self.spilled: OrderedDict[bytes, Entry] = OrderedDict()
+        self.spilled_bytes = 0
+        # counters for stats()
+        self.lookups = self.hits = self.hit_tokens = 0
+        self.evictions = self.spills = self.restores = self.checkpoints_taken = self.checkpoints_skipped = 0
+
+    # -- contents
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.device)
+
+    @property
+    def num_checkpoints(self) -> int:
+        return sum(e.checkpoint is not None for e in self.device.values())
+
+    def pages_held(self) -> list[int]:
+        out = []
+        for e in self.device.values():
+            out += (e.pages or []) + (e.checkpoint or [])
+        return out
+
+    def _get(self, key: bytes) -> Entry | None:
+        return self.device.get(key) or self.spilled.get(key)
+
+    def insert_block(self, key: bytes, depth: int, pages: list[int]) -> None:
+        """Caches a computed block (the caller's MLA pages, shared by reference). A key already cached keeps its
+        own pages. The caller touches the whole chain afterwards (``touch``) so that its root stays newest."""
+        if key in self.device:
+            return
+        spilled = self.spilled.pop(key, None)
+        if spilled is not None:  # computed again while spilled: the fresh device copy wins
+            self.spilled_bytes -= spilled.spilled_bytes
+            spilled.spilled_pages = spilled.spilled_checkpoint = None
+        self.pool.incref(pages)
+        self.device[key] = Entry(key, depth, pages=list(pages))
+
+    def touch(self, keys: list[bytes]) -> None:
+        """Marks a chain used, leaf first, so that LRU eviction takes a prefix from its tail."""
+        for key in reversed(keys):
+            if key in self.device:
+                self.device.move_to_end(key)
+
+    def add_checkpoint(self, key: bytes, slot: list[int], protect: set[bytes] = frozenset()) -> bool:
+        """Copies a request's KDA slot into a checkpoint for the block ``key`` (already inserted). Evicts LRU entries
+        to make room; gives up (returns False) when that is not enough."""
+        entry = self.device.get(key)
+        if entry is None or entry.checkpoint is not None:
+            return False
+        pages = self._alloc(len(slot), protect | {key})
+        if pages is None:
+            self.checkpoints_skipped += 1
+            return False
+        self.pool.copy(slot, pages)
+        entry.checkpoint = pages
+        self.checkpoints_taken += 1
+        return True
+
+    def _alloc(self, n: int, protect: set[bytes]) -> list[int] | None:
+        pages = self.pool.alloc(n)
+        while pages is None and self.evict_one(protect):
+            pages = self.pool.alloc(n)
+        return pages
+
+    # -- lookup
+
+    def match(self, keys: list[bytes]) -> Match:
+        """Longest run of cached keys, then the latest checkpoint inside it (module docstring)."""
+        self.lookups += 1
+        chain: list[Entry] = []
+        for key in keys:
+            entry = self._get(key)
+            if entry is None:
+                break
+            chain.append(entry)
+        best = 0
+        for i, entry in enumerate(chain):
+            if entry.has_checkpoint:
+                best = i + 1
+        self.touch([e.key for e in chain])
+        return Match(best, len(chain), chain[:best])
+
+    def restore(self, entries: list[Entry], protect: set[bytes] = frozenset()) -> bool:
+        """Brings spilled entries back to the device (pages and checkpoint). False when pages run out or a spilled
+        copy has been dropped meanwhile; whatever was restored stays cached."""
+        keep = protect | {e.key for e in entries}
+        for entry in entries:
+            if entry.key in self.device:
+                continue
+            if not self._bring_back(entry, keep):
+                return False
+        return True
+
+    def _bring_back(self, entry: Entry, protect: set[bytes]) -> bool:
+        if entry.key not in self.spilled:
+            return False  # dropped from the CPU store since the lookup
+        # out of the spill store while pages are found, so that spilling others cannot drop it
+        del self.spilled[entry.key]
+        self.spilled_bytes -= entry.spilled_bytes
+        parts = [t for t in (entry.spilled_pages, entry.spilled_checkpoint) if t is not None]
+        pages = self._alloc(sum(t.shape[0] for t in parts), protect)
+        if pages is None:
+            self.spilled[entry.key] = entry
+            self.spilled_bytes += entry.spilled_bytes
+            return False
+        n_mla = 0 if entry.spilled_pages is None else entry.spilled_pages.shape[0]
+        if parts:
+            self.pool.write(pages, torch.cat(parts))
+        entry.pages = pages[:n_mla] if entry.spilled_pages is not None else []
+        entry.checkpoint = pages[n_mla:] if entry.spilled_checkpoint is not None else None
+        entry.spilled_pages = entry.spilled_checkpoint = None
+        self.device[entry.key] = entry
+        self.restores += 1
+        return True
+
+    # -- eviction
+
+    def _frees_pages(self, entry: Entry) -> bool:
+        if entry.checkpoint is not None:
+            return True
+        return bool(entry.pages) and all(self.pool.refcount[p] == 1 for p in entry.pages)
+
+    def evict_one(self, protect: set[bytes] = frozenset()) -> bool:
+        """Evicts the least recently used entry that frees at least one page; False when none does."""
+        for key, entry in self.device.items():
+            if key in protect or not self._frees_pages(entry):
+                continue
+            self._evict(entry)
+            return True
+        return False
+
+    def _evict(self, entry: Entry) -> None:
+        del self.device[entry.key]
+        self.evictions += 1
+        owned = (entry.pages or []) + (entry.checkpoint or [])
+        if self.spill_limit > 0:
+            pages = self.pool.read(entry.pages) if entry.pages else None
+            ckpt = self.pool.read(entry.checkpoint) if entry.checkpoint else None
+            size = sum(t.numel() for t in (pages, ckpt) if t is not None)
+            if 0 < size <= self.spill_limit:
+                while self.spilled_bytes + size > self.spill_limit and self.spilled:
+                    _, old = self.spilled.popitem(last=False)
+                    self.spilled_bytes -= old.spilled_bytes
+                    old.spilled_pages = old.spilled_checkpoint = None
+                entry.spilled_pages, entry.spilled_checkpoint = pages, ckpt
+                self.spilled[entry.key] = entry
+                self.spilled_bytes += size
+                self.spills += 1
+        entry.pages = entry.checkpoint = None
+        self.pool.decref(owned)
+
+    def clear(self) -> None:
+        """Drops everything (a weight update makes every cached state stale)."""
+        for entry in list(self.device.values()):
+            self.pool.decref((entry.pages or []) + (entry.checkpoint or []))
+        self.device.clear()
+        self.spilled.clear()
+        self.spilled_bytes = 0

@@ -1,0 +1,276 @@
+"""Continuous batching with chunked prefill and a per-step token budget, over the one paged pool.
+
+Every step the scheduler hands out at most ``max_tokens_per_step`` tokens to at most ``max_num_seqs`` sequences:
+
+1. **decode**: every running request with one pending token gets it, oldest admission first;
+2. **prefill, fair share**: running requests with a longer pending input, then waiting requests (FIFO, admitted
+   while memory allows), each get at most ``prefill_chunk`` tokens;
+3. **prefill, leftover**: what budget remains goes to those same prefills in order.
+
+So a 100K-token prompt takes at most its fair share while short requests are waiting, and uses the whole budget
+when they are not (budget-based admission: the short ones' first tokens arrive within a bounded number of steps).
+A prefill chunk also ends at the next block boundary that wants a KDA checkpoint, where the state is copied.
+
+Memory: a request holds a KDA slot (``pages_per_slot`` pages) from admission and MLA pages as its tokens grow.
+When a page is needed and none is free the scheduler reclaims, cheapest first: (1) unused prefix-cache entries
+(LRU), (2) caches of finished requests kept for ``extend``, (3) younger running requests not yet scheduled in this
+step are preempted (their cache is dropped; they are recomputed later, largely from the prefix cache), (4) paused
+requests' caches. Waiting requests never preempt running ones; they wait. Nothing is ever allocated past the pool.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+
+from rlk3.engine.config import EngineConfig
+from rlk3.engine.pool import PagedPool
+from rlk3.engine.prefix_cache import ROOT, PrefixCache, block_hash
+from rlk3.engine.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, pool: PagedPool, prefix: PrefixCache | None, requests: dict):
+        self.config = config
+        self.pool = pool
+        self.prefix = prefix
+        self.requests: dict[str, Request] = requests  # every request the engine knows, any status
+        self.waiting: list[Request] = []  # by arrival
+        self.running: list[Request] = []  # by priority (admission order)
+        self._admissions = itertools.count()
+        self._finish_order = itertools.count()
+        self.version = 0  # the engine's weight version (blocks computed under older weights are not cached)
+        # counters for stats()
+        self.preemptions = self.dropped_caches = 0
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.layout.block_size
+
+    @property
+    def block_tokens(self) -> int:
+        return self.config.prefix_block_tokens
+
+    # -- queues
+
+    def enqueue(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, req, key=lambda r: r.arrival)
+
+    def add_running(self, req: Request) -> None:
+        req.status = RequestStatus.RUNNING
+        bisect.insort(self.running, req, key=lambda r: r.priority)
+
+    def remove(self, req: Request) -> None:
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+
+    # -- sizes
+
+    def pages_for(self, tokens: int) -> int:
+        """Pages a request of ``tokens`` tokens needs in all: its MLA blocks and its KDA slot."""
+        mla = math.ceil(tokens / self.block_size) if self.pool.layout.mla_layers else 0
+        return mla + self.pool.layout.pages_per_slot
+
+    # -- cache ownership
+
+    def free_cache(self, req: Request) -> None:
+        """Returns a request's pages to the pool (shared prefix pages just lose a reference)."""
+        owned = list(req.pages) + (req.slot or [])
+        req.pages, req.slot = [], None
+        req.num_computed = req.num_registered = 0
+        self.pool.decref(owned)
+
+    def preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.free_cache(req)
+        self.enqueue(req)
+        self.preemptions += 1
+
+    def drop_cache(self, req: Request) -> None:
+        """A paused or finished request loses its cache; it is recomputed when it runs again."""
+        self.free_cache(req)
+        self.dropped_caches += 1
+
+    def mark_finished(self, req: Request) -> None:
+        req.finish_seq = next(self._finish_order)
+
+    def _reclaim(self, need: int, requester: Request | None, planned: dict, allow_preempt: bool,
+                 allow_paused: bool, protect: set[bytes] = frozenset()) -> bool:
+        """Frees pages until ``need`` are free (the module docstring's order); False if that is impossible now."""
+        while self.pool.num_free < need:
+            if self.prefix is not None and self.prefix.evict_one(protect):
+                continue
+            finished = [r for r in self.requests.values() if r.status == RequestStatus.FINISHED and r.has_cache]
+            if finished:
+                self.drop_cache(min(finished, key=lambda r: r.finish_seq))
+                continue
+            if allow_preempt and requester is not None:
+                victims = [r for r in self.running if r is not requester and r not in planned
+                           and r.priority > requester.priority]
+                if victims:
+                    self.preempt(victims[-1])
+                    continue
+            if allow_paused:
+                paused = [r for r in self.requests.values() if r.status == RequestStatus.PAUSED and r.has_cache]
+                if paused:
+                    self.drop_cache(min(paused, key=lambda r: r.arrival))
+                    continue
+            return False
+        return True
+
+    def _grow(self, req: Request, tokens: int, planned: dict) -> int:
+        """Gives ``req`` MLA pages for up to ``req.num_computed + tokens`` tokens, reclaiming as needed. Returns how
+        many of the ``tokens`` it can compute now (fewer when memory is short; 0 when none)."""
+        if not self.pool.layout.mla_layers:
+            return tokens
+        bs = self.block_size
+        want = math.ceil((req.num_computed + tokens) / bs) - len(req.pages)
+        if want > 0:
+            self._reclaim(want, req, planned, allow_preempt=True, allow_paused=True)
+            got = self.pool.alloc(min(want, self.pool.num_free)) or []
+            req.pages += got
+        return max(0, min(tokens, len(req.pages) * bs - req.num_computed))
+
+    # -- admission (with the prefix cache)
+
+    def keys(self, req: Request, blocks: int) -> list[bytes]:
+        """The chained hashes of the request's first ``blocks`` blocks (computed once, tokens are append-only)."""
+        B = self.block_tokens
+        while len(req.keys) < blocks:
+            b = len(req.keys)
+            req.keys.append(block_hash(req.keys[-1] if b else ROOT, req.tokens[b * B : (b + 1) * B]))
+        return req.keys[:blocks]
+
+    def admit(self, req: Request, planned: dict) -> bool:
+        """Gives a waiting request a KDA slot (restored from a prefix checkpoint when one matches)."""
+        entries, protect = [], set()
+        if self.prefix is not None:
+            # leave at least one token to compute: its logits give the next token
+            keys = self.keys(req, (len(req.tokens) - 1) // self.block_tokens)
+            match = self.prefix.match(keys)
+            protect = set(keys[: match.matched])
+            if match.blocks and self.prefix.restore(match.entries, protect):
+                entries = match.entries
+                self.prefix.hits += 1
+        shared = [p for e in entries for p in e.pages]
+        self.pool.incref(shared)  # ours now, whatever the cache evicts below
+        need = self.pool.layout.pages_per_slot
+        ok = self._reclaim(need, None, planned, allow_preempt=False, allow_paused=not self.running, protect=protect)
+        slot = self.pool.alloc(need) if ok else None
+        if slot is None:
+            self.pool.decref(shared)
+            return False
+        if entries:
+            self.pool.copy(entries[-1].checkpoint, slot)
+        else:
+            self.pool.zero(slot)
+        req.slot, req.pages = slot, shared
+        req.num_computed = len(entries) * self.block_tokens
+        req.num_registered = len(entries)
+        req.num_cached_tokens = req.num_computed
+        if self.prefix is not None:
+            self.prefix.hit_tokens += req.num_computed
+        req.cache_version = self.version
+        req.priority = next(self._admissions)
+        self.waiting.remove(req)
+        self.add_running(req)
+        return True
+
+    # -- checkpoints and block registration
+
+    def wants_checkpoint(self, req: Request, boundary: int) -> bool:
+        return (boundary * self.block_tokens) % self.config.checkpoint_interval == 0 or boundary in req.marks
+
+    def _cut(self, req: Request) -> int:
+        """Tokens from ``num_computed`` to the next boundary that wants a KDA checkpoint (a chunk ends there)."""
+        if self.prefix is None or req.cache_version != self.version:
+            return req.pending
+        pos, B = req.num_computed, self.block_tokens
+        interval = self.config.checkpoint_interval
+        nxt = (pos // interval + 1) * interval
+        marked = [m * B for m in req.marks if m * B > pos]
+        return min([nxt, *marked]) - pos
+
+    def register(self, req: Request) -> None:
+        """After a step: hand newly completed blocks to the prefix cache, and a checkpoint at a wanted boundary."""
+        if self.prefix is None or req.cache_version != self.version or req.slot is None:
+            return
+        B = self.block_tokens
+        full = req.num_computed // B
+        if full > req.num_registered:
+            keys = self.keys(req, full)
+            ppb = self.prefix.pages_per_block
+            for b in range(req.num_registered, full):
+                self.prefix.insert_block(keys[b], b, req.pages[b * ppb : (b + 1) * ppb])
+            req.num_registered = full
+            self.prefix.touch(keys)
+        if full and req.num_computed % B == 0 and self.wants_checkpoint(req, full):
+            keys = self.keys(req, full)
+            self.prefix.add_checkpoint(keys[-1], req.slot, protect=set(keys))
+
+    # -- the step plan
+
+    def schedule(self) -> list[tuple[Request, int]]:
+        """The sequences of the next step and how many of their pending tokens each computes (module docstring)."""
+        cfg = self.config
+        budget = cfg.max_tokens_per_step
+        plan: dict[Request, int] = {}
+
+        # 1. decode: one token each, oldest first
+        for req in list(self.running):
+            if budget == 0 or len(plan) >= cfg.max_num_seqs:
+                break
+            if req.status != RequestStatus.RUNNING or req.pending != 1:
+                continue
+            if self._grow(req, 1, plan):
+                plan[req] = 1
+                budget -= 1
+
+        # 2. prefill, fair share: running prefills, then admissions
+        prefills = [r for r in self.running if r.pending > 1 and r not in plan]
+        for req in prefills:
+            if budget == 0 or len(plan) >= cfg.max_num_seqs:
+                break
+            if req.status != RequestStatus.RUNNING:  # preempted by an older request in this loop
+                continue
+            n = self._grow(req, min(req.pending, cfg.prefill_chunk, budget, self._cut(req)), plan)
+            if n:
+                plan[req] = n
+                budget -= n
+        while self.waiting and budget and len(plan) < cfg.max_num_seqs:
+            req = self.waiting[0]
+            if not self.admit(req, plan):
+                break  # FIFO: later arrivals do not overtake a request that is waiting for memory
+            n = self._grow(req, min(req.pending, cfg.prefill_chunk, budget, self._cut(req)), plan)
+            if n:
+                plan[req] = n
+                budget -= n
+
+        # 3. prefill, leftover budget in order
+        for req, n in list(plan.items()):
+            if budget == 0:
+                break
+            room = min(req.pending, self._cut(req)) - n
+            if room > 0:
+                extra = self._grow_more(req, n, min(room, budget), plan)
+                plan[req] = n + extra
+                budget -= extra
+
+        # single-token sequences first (the batched decode path), each group in priority order
+        order = sorted(plan.items(), key=lambda item: (item[1] != 1, item[0].priority))
+        return order
+
+    def _grow_more(self, req: Request, have: int, extra: int, planned: dict) -> int:
+        """Like ``_grow`` for a request already planned for ``have`` tokens; never preempts (step 3 is a bonus)."""
+        if not self.pool.layout.mla_layers:
+            return extra
+        bs = self.block_size
+        want = math.ceil((req.num_computed + have + extra) / bs) - len(req.pages)
+        if want > 0:
+            self._reclaim(want, req, planned, allow_preempt=False, allow_paused=False)
+            req.pages += self.pool.alloc(min(want, self.pool.num_free)) or []
+        return max(0, min(extra, len(req.pages) * bs - req.num_computed - have))

@@ -1,0 +1,147 @@
+"""Bad input and invalid configuration: clear errors naming what is wrong."""
+
+import copy
+
+import pytest
+import torch
+
+from rlk3.engine import (
+    EngineConfig,
+    EngineConfigError,
+    EngineError,
+    PoolError,
+    RolloutEngine,
+    SamplingParams,
+    UnknownRequestError,
+)
+from tests.rlk3.engine._oracle import prompt
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    return RolloutEngine(tiny, EngineConfig(memory_bytes=4 * 2**20))
+
+
+def test_bad_prompts(engine):
+    with pytest.raises(ValueError, match=r"prompt_ids has token ids out of the vocabulary \[0, 4096\): min 1, max 4096"):  # noqa: E501
+        engine.add_request([1, 4096])
+    with pytest.raises(ValueError, match=r"out of the vocabulary \[0, 4096\): min -1"):
+        engine.add_request([-1, 3])
+    with pytest.raises(ValueError, match="prompt_ids is empty"):
+        engine.add_request([])
+    with pytest.raises(ValueError, match=r"must contain ints, got 1\.5"):
+        engine.add_request([1, 1.5])
+    with pytest.raises(ValueError, match="1-D integer tensor"):
+        engine.add_request(torch.ones(3))
+    with pytest.raises(ValueError, match="list of token ids, got str"):
+        engine.add_request("hello")
+    with pytest.raises(ValueError, match=r"turn_ends positions must be ints in \[1, 3\], got 4"):
+        engine.add_request([1, 2, 3], turn_ends=[4])
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(max_tokens=0), r"SamplingParams.max_tokens must be an int >= 1, got 0"),
+        (dict(max_tokens=-3), r"SamplingParams.max_tokens must be an int >= 1, got -3"),
+        (dict(temperature=-0.1), r"SamplingParams.temperature must be a finite number >= 0"),
+        (dict(top_p=0.0), r"SamplingParams.top_p must be a number in \(0, 1\], got 0.0"),
+        (dict(top_k=-1), r"SamplingParams.top_k must be an int >= 0, got -1"),
+        (dict(stop_token_ids=[1, "x"]), r"SamplingParams.stop_token_ids must be a list of ints >= 0"),
+        (dict(stop=[""]), r"SamplingParams.stop must be a list of non-empty strings"),
+        (dict(seed=-1), r"SamplingParams.seed must be an int >= 0 or None, got -1"),
+    ],
+)
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(EngineConfigError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_that_needs_the_model_or_a_tokenizer(engine):
+    with pytest.raises(ValueError, match=r"stop_token_ids \[5000\] are out of the vocabulary \[0, 4096\)"):
+        engine.add_request([1, 2], SamplingParams(stop_token_ids=[5000]))
+    with pytest.raises(ValueError, match="stop strings\\) needs a tokenizer"):
+        engine.add_request([1, 2], SamplingParams(stop=["</tool>"]))
+    with pytest.raises(ValueError, match="sampling must be a SamplingParams, got dict"):
+        engine.add_request([1, 2], {"max_tokens": 3})
+
+
+def test_unknown_request_ids_and_wrong_states(engine):
+    for call in (engine.pause, engine.resume, engine.abort, engine.release, engine.result):
+        with pytest.raises(UnknownRequestError, match=r"unknown request id 'nope'"):
+            call("nope")
+    with pytest.raises(UnknownRequestError, match="unknown request id 'nope'"):
+        engine.extend("nope", [1])
+    rid = engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), request_id="r1")
+    with pytest.raises(ValueError, match="request_id 'r1' is already in use"):
+        engine.add_request([1], request_id="r1")
+    with pytest.raises(UnknownRequestError):  # nothing is touched when one id of many is unknown
+        engine.pause([rid, "nope"])
+    assert engine.requests[rid].status.value == "waiting"
+    with pytest.raises(EngineError, match="only paused or finished requests can be extended"):
+        engine.extend(rid, [4])
+    with pytest.raises(EngineError, match="resume: request 'r1' is waiting, not paused"):
+        engine.resume(rid)
+    with pytest.raises(EngineError, match="release: request 'r1' is waiting; abort it instead"):
+        engine.release(rid)
+    engine.abort(rid)
+    with pytest.raises(UnknownRequestError):
+        engine.result(rid)
+
+
+def test_update_weights_rejects_bad_updates(tiny):
+    engine = RolloutEngine(copy.deepcopy(tiny), EngineConfig(memory_bytes=4 * 2**20))
+    before = engine.model.lm_head.weight.clone()
+    with pytest.raises(ValueError, match=r"unknown weight 'lm_head.bias'"):
+        engine.update_weights({"lm_head.weight": torch.zeros_like(before), "lm_head.bias": torch.zeros(3)}, 1)
+    assert torch.equal(engine.model.lm_head.weight, before)  # checked before anything is copied
+    with pytest.raises(ValueError, match=r"'lm_head.weight' has shape \[3\], the model's is \[4096, 128\]"):
+        engine.update_weights({"lm_head.weight": torch.zeros(3)}, 1)
+    with pytest.raises(ValueError, match="version must be an int greater than the current 0, got 0"):
+        engine.update_weights({}, 0)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(memory_bytes=1, memory_fraction=0.5), "set at most one of memory_bytes and memory_fraction"),
+        (dict(memory_fraction=1.5), r"memory_fraction must be a number in \(0, 1\], got 1.5"),
+        (dict(memory_bytes=0), r"memory_bytes must be an int >= 1 or None, got 0"),
+        (dict(block_size=48), "block_size must be a power of two dividing prefix_block_tokens=512"),
+        (dict(checkpoint_interval=700), "checkpoint_interval must be a multiple of prefix_block_tokens=512"),
+        (dict(max_tokens_per_step=0), "max_tokens_per_step must be an int >= 1, got 0"),
+        (dict(backend="cuda"), r"backend must be one of \['auto', 'torch'\], got 'cuda'"),
+        (dict(enable_prefix_cache="yes"), "enable_prefix_cache must be a bool, got 'yes'"),
+        (dict(cuda_graph_batch_sizes=[0]), "cuda_graph_batch_sizes must be a non-empty list of ints >= 1"),
+    ],
+)
+def test_bad_engine_config(kwargs, match):
+    with pytest.raises(EngineConfigError, match=match):
+        EngineConfig(**kwargs)
+
+
+def test_memory_defaults():
+    assert EngineConfig().memory_bytes == 256 * 2**20
+    cfg = EngineConfig(memory_fraction=0.01)
+    assert cfg.memory_bytes is None and cfg.memory_fraction == 0.01
+
+
+def test_engine_config_from_dict_rejects_unknown_keys():
+    assert EngineConfig.from_dict({"max_num_seqs": 4}).max_num_seqs == 4
+    with pytest.raises(EngineConfigError, match=r"unknown keys \['max_batch'\]"):
+        EngineConfig.from_dict({"max_batch": 4})
+
+
+def test_model_and_pool_errors(tiny):
+    with pytest.raises(EngineConfigError, match="model must be a K3ForCausalLM, got Linear"):
+        RolloutEngine(torch.nn.Linear(2, 2))
+    msg = r"a pool budget of 100000 bytes holds 4 pages of 24576 bytes; one request needs at least 7 \(a KDA slot"
+    with pytest.raises(PoolError, match=msg):
+        RolloutEngine(tiny, EngineConfig(memory_bytes=100_000))
+
+
+def test_generate_rejects_mismatched_sampling(engine):
+    with pytest.raises(ValueError, match="2 prompts but 1 SamplingParams"):
+        engine.generate([prompt(3, seed=1), prompt(3, seed=2)], [SamplingParams()])
+    with pytest.raises(ValueError, match="non-empty list of token-id lists"):
+        engine.generate([])

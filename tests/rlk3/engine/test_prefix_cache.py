@@ -1,0 +1,104 @@
+"""Acceptance item 3: a shared 2,000-token prefix is not prefilled again (up to one checkpoint interval), and a
+hit never restores a KDA state from the wrong boundary. Also CPU spill and agent-marked turn ends."""
+
+from rlk3.engine import EngineConfig, RolloutEngine, SamplingParams
+from tests.rlk3.engine._oracle import assert_greedy_matches_full_forward, prompt
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0)
+
+
+def _run(engine, p, sampling=GREEDY):
+    """Generates one request; returns (result, tokens prefilled for it)."""
+    before = engine.stats().prefill_tokens
+    res = engine.generate([p], sampling)[0]
+    return res, engine.stats().prefill_tokens - before
+
+
+def _check(model, p, res):
+    logprobs = assert_greedy_matches_full_forward(model, p, res.token_ids)
+    assert max(abs(a - b) for a, b in zip(logprobs, res.logprobs)) <= 1e-5
+
+
+def test_shared_prefix_prefills_only_new_tokens_plus_one_interval(tiny):
+    cfg = EngineConfig(memory_bytes=48 * 2**20, checkpoint_interval=1024, max_tokens_per_step=1024)
+    engine = RolloutEngine(tiny, cfg)
+    prefix = prompt(2000, seed=20)
+    a = prefix + prompt(50, seed=21)
+    res_a, filled_a = _run(engine, a)
+    assert filled_a == len(a)  # a cold cache computes everything
+    assert engine.stats().prefix_cache.checkpoints >= 2  # at 1024 (interval) and 2048 (the prompt's end)
+    b = prefix + prompt(60, seed=22)
+    res_b, filled_b = _run(engine, b)
+    new_tokens = len(b) - len(prefix)
+    assert filled_b <= new_tokens + cfg.checkpoint_interval, (filled_b, new_tokens)
+    assert res_b.num_cached_tokens == 1024  # blocks 0-2 match; the latest checkpoint inside them is at 1024
+    assert filled_b == len(b) - 1024
+    _check(tiny, a, res_a)
+    _check(tiny, b, res_b)
+    stats = engine.stats().prefix_cache
+    assert stats.hits == 1 and stats.hit_tokens == 1024
+
+
+def test_a_hit_never_restores_a_state_from_the_wrong_boundary(tiny):
+    """Checkpoints at 512, 1024 and 1536 (interval 512). Prompts that diverge one token after / one token before the
+    checkpoint at 1024 must resume at 1024 / 512, never at a deeper checkpoint whose prefix they do not share."""
+    cfg = EngineConfig(memory_bytes=48 * 2**20, checkpoint_interval=512, max_tokens_per_step=1024)
+    engine = RolloutEngine(tiny, cfg)
+    base = prompt(1700, seed=30)
+    _run(engine, base)
+    assert engine.stats().prefix_cache.checkpoints == 3
+    other = prompt(1700, seed=31)
+    for diverge, resume in [(1025, 1024), (1023, 512), (1024, 1024), (1536, 1536), (1537, 1536), (511, 0)]:
+        p = base[:diverge] + other[diverge : diverge + 300]
+        res, filled = _run(engine, p)
+        assert res.num_cached_tokens == resume, (diverge, res.num_cached_tokens)
+        assert filled == len(p) - resume
+        _check(tiny, p, res)  # a state from another boundary would change these logprobs
+
+
+def test_lru_eviction_spill_to_cpu_and_restore(tiny):
+    """A pool too small to keep two long prefixes: with spill the first comes back from CPU memory on a hit;
+    without, it is recomputed. Outputs are the same either way."""
+    p1, p2 = prompt(1100, seed=40), prompt(1100, seed=41)
+    outs = {}
+    for spill in (0, 64 * 2**20):
+        cfg = EngineConfig(memory_bytes=int(1.1 * 2**20), checkpoint_interval=512, max_tokens_per_step=512,
+                           spill_bytes=spill)
+        engine = RolloutEngine(tiny, cfg)
+        _run(engine, p1)
+        _run(engine, p2)  # evicts p1's blocks: the pool holds ~45 pages
+        res, filled = _run(engine, [*p1, 7, 8, 9])
+        stats = engine.stats().prefix_cache
+        assert stats.evictions > 0
+        if spill:
+            assert stats.restores > 0 and res.num_cached_tokens == 1024 and filled == len(p1) + 3 - 1024
+        else:
+            assert stats.spilled_blocks == 0 and res.num_cached_tokens < 1024
+        _check(tiny, [*p1, 7, 8, 9], res)
+        outs[spill] = res.token_ids
+        engine.check_invariants()
+    assert outs[0] == outs[64 * 2**20]
+
+
+def test_turn_ends_and_prompt_ends_keep_checkpoints_for_the_next_turn(tiny):
+    """Multi-turn by fresh requests (the agent loop re-sends the conversation): turn k+1 resumes at the last
+    block boundary of turn k's prompt, not at the last interval checkpoint."""
+    cfg = EngineConfig(memory_bytes=48 * 2**20, checkpoint_interval=4096, max_tokens_per_step=2048)
+    engine = RolloutEngine(tiny, cfg)
+    conv = prompt(700, seed=50)
+    res, _ = _run(engine, conv)
+    conv = conv + res.token_ids + prompt(900, seed=51)
+    res, filled = _run(engine, conv)
+    assert res.num_cached_tokens == 512  # the first prompt's end (700) rounds down to boundary 512
+    _check(tiny, conv, res)
+    # an explicit mark: the agent loop re-sends a conversation whose earlier turn ended at token 1100; without the
+    # mark only the prompt's end (1536) would keep a checkpoint, and a conversation branching at 1100 would start over
+    other = prompt(1900, seed=52)
+    rid = engine.add_request(other, GREEDY, turn_ends=[1100])
+    while engine.has_unfinished():
+        engine.step()
+    engine.release(rid)
+    branch = other[:1100] + prompt(200, seed=53)
+    res, filled = _run(engine, branch)
+    assert res.num_cached_tokens == 1024 and filled == len(branch) - 1024
+    _check(tiny, branch, res)

@@ -1,0 +1,95 @@
+"""Acceptance item 5: a randomized stress of 500 requests (adds, aborts, pauses, resumes, extends, releases, a few
+release/reacquire cycles) on a pool small enough to force waiting, preemption and eviction. The pool never exceeds
+its budget, its bookkeeping is consistent after every step, greedy outputs stay exact, and at the end every page
+is free again."""
+
+import random
+
+import pytest
+
+from rlk3.engine import EngineConfig, FinishReason, RequestStatus, RolloutEngine, SamplingParams
+from tests.rlk3.engine._oracle import assert_greedy_matches_full_forward, prompt
+
+
+@pytest.mark.slow
+def test_randomized_stress_of_500_requests(tiny):
+    rng = random.Random(0)
+    probe = RolloutEngine(tiny, EngineConfig(memory_bytes=4 * 2**20, block_size=16, prefix_block_tokens=16))
+    page, slot = probe.layout.page_bytes, probe.layout.pages_per_slot
+    budget = page * (7 * slot + 30)  # ~7 requests' KDA state and 480 tokens of MLA blocks
+    cfg = EngineConfig(
+        memory_bytes=budget, block_size=16, prefix_block_tokens=16, checkpoint_interval=32, max_num_seqs=10,
+        max_tokens_per_step=96, prefill_chunk=24, spill_bytes=2 * 2**20,
+    )
+    engine = RolloutEngine(tiny, cfg)
+    systems = [prompt(rng.randint(17, 40), seed=100 + i) for i in range(4)]  # shared prefixes: cache hits
+    added, extended, released = 0, 0, 0
+    greedy = set()
+    checked = 0
+
+    def check(res):
+        nonlocal checked
+        if res.request_id in greedy and res.finish_reason != FinishReason.ABORT and res.token_ids:
+            assert_greedy_matches_full_forward(tiny, res.prompt_token_ids, res.token_ids)
+            checked += 1
+
+    while added < 500 or engine.requests:
+        if added < 500 and rng.random() < 0.6:
+            for _ in range(rng.randint(1, 3)):
+                p = rng.choice(systems) + prompt(rng.randint(1, 20), seed=1000 + added)
+                is_greedy = rng.random() < 0.5
+                sp = SamplingParams(max_tokens=rng.randint(1, 12), temperature=0.0 if is_greedy else 1.0,
+                                    top_p=rng.choice([1.0, 0.9]), seed=rng.choice([None, added]))
+                rid = engine.add_request(p, sp, turn_ends=[rng.randint(1, len(p))] if rng.random() < 0.2 else ())
+                if is_greedy:
+                    greedy.add(rid)
+                added += 1
+        if engine.requests and rng.random() < 0.5:
+            rid = rng.choice(sorted(engine.requests))
+            status = engine.requests[rid].status
+            action = rng.random()
+            if status in (RequestStatus.WAITING, RequestStatus.RUNNING) and action < 0.3:
+                engine.pause(rid)
+            elif status == RequestStatus.PAUSED and action < 0.6:
+                engine.resume(rid)
+            elif status in (RequestStatus.PAUSED, RequestStatus.FINISHED) and action < 0.75:
+                if status == RequestStatus.FINISHED:
+                    check(engine.result(rid))
+                engine.extend(rid, prompt(rng.randint(1, 20), seed=5000 + extended),
+                              SamplingParams(max_tokens=rng.randint(1, 8), temperature=0.0 if rid in greedy else 1.0))
+                extended += 1
+            elif action < 0.85:
+                engine.abort(rid)
+        for rid in [r for r, req in engine.requests.items() if req.status == RequestStatus.FINISHED]:
+            roll = rng.random()
+            if roll < 0.3 and engine.requests[rid].turn < 3:  # the next turn of a multi-turn conversation
+                check(engine.result(rid))
+                engine.extend(rid, prompt(rng.randint(1, 20), seed=5000 + extended),
+                              SamplingParams(max_tokens=rng.randint(1, 8), temperature=0.0 if rid in greedy else 1.0))
+                extended += 1
+            elif roll < 0.9:
+                check(engine.result(rid))
+                engine.release(rid)
+                released += 1
+        if added >= 500 and not engine.has_unfinished():  # let the paused ones finish
+            for rid, req in list(engine.requests.items()):
+                if req.status == RequestStatus.PAUSED:
+                    engine.resume(rid)
+        if rng.random() < 0.005:  # colocation: give the pool back mid-run, then take it again
+            engine.release_memory()
+            assert engine.pool.allocated_bytes == 0
+            engine.check_invariants()
+            engine.reacquire_memory()
+        engine.step()
+        engine.check_invariants()
+        assert engine.pool.allocated_bytes <= budget
+        assert engine.stats().pool.free_pages >= 0
+
+    stats = engine.stats()
+    assert stats.preemptions > 0, "the pool must have been small enough to force preemption"
+    assert stats.prefix_cache.hits > 0 and stats.prefix_cache.evictions > 0
+    assert extended > 50 and released > 100 and checked > 100
+    assert stats.pool.request_pages == 0
+    engine.clear_prefix_cache()
+    engine.check_invariants()
+    assert engine.stats().pool.free_pages == engine.stats().pool.total_pages
