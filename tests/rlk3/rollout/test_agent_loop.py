@@ -1,0 +1,152 @@
+"""The agent loop against the real engine: trajectories, logprobs, budgets, pause/resume, and (with the real sandbox
+server and graders) an agentic episode end to end."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from envs.tasks import get_tasks
+from harness import Harness
+from harness.tokenizer import default_tokenizer
+from rlk3.engine import EngineConfig, RolloutEngine
+from rlk3.model import K3Config, K3ForCausalLM
+from rlk3.rollout.agent_loop import AgentLoop, EngineFront, LoopConfig, LoopError
+from rlk3.rollout.grading import Grading
+from rlk3.rollout.trajectory import Status
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return default_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    torch.manual_seed(0)
+    return K3ForCausalLM(K3Config.preset("k3-tiny", vocab_size=len(tok))).eval()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def general_loop(model, tok, **cfg):
+    engine = RolloutEngine(model, EngineConfig(memory_bytes=64 << 20))
+    return AgentLoop(EngineFront(engine), {"general": Harness("chat", tok)}, grading=Grading(),
+                     config=LoopConfig(**cfg))
+
+
+async def _episodes(loop, tasks, effort="low", budget=None, uid_prefix="u"):
+    try:
+        return await asyncio.gather(*(
+            loop.run(t, loop.new_trajectory(t, effort=effort, budget=budget, uid=f"{uid_prefix}{i}"))
+            for i, t in enumerate(tasks)))
+    finally:
+        await loop.front.close()
+
+
+def test_episodes_are_valid_graded_and_logprobs_match_the_model(model, tok):
+    loop = general_loop(model, tok, max_turn_tokens=24, seed=3)
+    tasks = get_tasks("general", "heldout", 6)
+    trajs = run(_episodes(loop, tasks))
+    for t, task in zip(trajs, tasks):
+        t.validate()
+        assert t.status in (Status.FINISHED, Status.TRUNCATED)
+        assert t.reward is not None and "passed" in t.metrics
+        assert t.messages[-1]["role"] == "assistant"
+        assert set(t.policy_versions) == {0}
+        assert 1 <= t.num_generated <= 24
+        # the behaviour logprobs are log-softmax(logits) of the full forward over the stream (T = 1)
+        ids = torch.tensor([t.token_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0].float(), -1)
+        pos = [i for i, m in enumerate(t.loss_mask) if m]
+        ref = [logp[i - 1, t.token_ids[i]].item() for i in pos]
+        assert max(abs(a - b) for a, b in zip(ref, t.behaviour_logprobs)) < 1e-4
+        assert t.group_id == task.task_id
+
+
+def test_budget_stops_at_the_first_token_past_it_and_scores_minus_one(model, tok):
+    loop = general_loop(model, tok, max_turn_tokens=64, seed=1)
+    trajs = run(_episodes(loop, get_tasks("general", "heldout", 4), budget=10))
+    over = [t for t in trajs if t.metrics.get("over_budget")]
+    assert over, "an untrained model should not stop within 10 tokens"
+    for t in over:
+        assert t.num_generated == 11 and t.status == Status.TRUNCATED and t.reward == -1.0
+    for t in trajs:
+        assert t.num_generated <= 11
+        assert "Token budget: 10 tokens" in t.messages[0]["content"]
+        assert "Reasoning effort: low" in t.messages[0]["content"]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_pause_then_resume_equals_never_pausing(model, tok, temperature):
+    tasks = get_tasks("general", "heldout", 4)
+    ref = run(_episodes(general_loop(model, tok, max_turn_tokens=40, temperature=temperature, seed=5), tasks))
+
+    async def paused_run():
+        loop = general_loop(model, tok, max_turn_tokens=40, temperature=temperature, seed=5)
+        jobs = [asyncio.ensure_future(loop.run(t, loop.new_trajectory(t, effort="low", budget=None, uid=f"u{i}")))
+                for i, t in enumerate(tasks)]
+        while loop.front.engine.stats().decode_tokens < 30:  # let them generate a few tokens each
+            await asyncio.sleep(0.01)
+        await loop.pause()
+        first = await asyncio.gather(*jobs)
+        paused = [t for t in first if t.status == Status.PAUSED]
+        assert paused, "the pause came after every episode finished"
+        for t in paused:
+            assert t.metrics["loop"]["open"] > 0 and t.reward is None
+            t.validate()
+        loop.unpause()
+        task_of = {t.task_id: t for t in tasks}
+        rest = await asyncio.gather(*(loop.run(task_of[t.task_id], t) for t in paused))
+        await loop.front.close()
+        return first, rest
+
+    first, rest = run(paused_run())
+    done = {t.uid: t for t in first if t.status != Status.PAUSED} | {t.uid: t for t in rest}
+    for r in ref:
+        t = done[r.uid]
+        assert t.token_ids == r.token_ids
+        assert t.behaviour_logprobs == pytest.approx(r.behaviour_logprobs, abs=1e-5)
+        assert t.reward == r.reward
+
+
+def test_a_restarted_engine_recomputes_the_open_turn_greedy(model, tok):
+    """The engine lost the paused request (an actor restart): the stream is prefilled again and the turn goes
+    on from its last token; under greedy decoding the result equals the uninterrupted episode."""
+    tasks = get_tasks("general", "heldout", 3)
+    ref = run(_episodes(general_loop(model, tok, max_turn_tokens=40, temperature=0.0), tasks))
+
+    async def go():
+        loop = general_loop(model, tok, max_turn_tokens=40, temperature=0.0)
+        jobs = [asyncio.ensure_future(loop.run(t, loop.new_trajectory(t, effort="low", budget=None, uid=f"u{i}")))
+                for i, t in enumerate(tasks)]
+        while loop.front.engine.stats().decode_tokens < 20:
+            await asyncio.sleep(0.01)
+        await loop.pause()
+        first = await asyncio.gather(*jobs)
+        await loop.front.close()
+        fresh = general_loop(model, tok, max_turn_tokens=40, temperature=0.0)  # a new engine: nothing cached
+        task_of = {t.task_id: t for t in tasks}
+        paused = [t for t in first if t.status == Status.PAUSED]
+        rest = await asyncio.gather(*(fresh.run(task_of[t.task_id], t) for t in paused))
+        await fresh.front.close()
+        return first, rest
+
+    first, rest = run(go())
+    assert rest and all(t.metrics.get("recomputed") == 1 for t in rest)
+    done = {t.uid: t for t in first if t.status != Status.PAUSED} | {t.uid: t for t in rest}
+    for r in ref:
+        assert done[r.uid].token_ids == r.token_ids
+
+
+def test_a_tool_preset_without_sandboxes_is_refused(model, tok):
+    engine = RolloutEngine(model, EngineConfig(memory_bytes=16 << 20))
+    loop = AgentLoop(EngineFront(engine), {"coding": Harness("tiny", tok)}, config=LoopConfig())
+    task = get_tasks("coding", "heldout", 1)[0]
+    with pytest.raises(LoopError, match="has tools: pass sandboxes="):
+        run(loop.run(task, loop.new_trajectory(task, effort="low", budget=None)))
