@@ -90,7 +90,8 @@ class Grading:
         """Sets ``traj.reward`` and the grade's summary in ``traj.metrics``; never raises for a bad episode."""
         v = view(traj)
         if traj.status == Status.FAILED:
-            outcome = Grade.fail("environment_failed: the episode's environment broke", **traj.metrics.get("failure", {}))
+            failure = traj.metrics.get("failure", {})
+            outcome = Grade.fail("environment_failed: the episode's environment broke", **failure)
         else:
             try:
                 outcome = self.grader(task.grader).grade(grader_task(task), v)
