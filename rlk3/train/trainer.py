@@ -1,0 +1,213 @@
+"""The RL trainer: one optimizer step on a batch of graded trajectories.
+
+    advantages  group-normalised outcome rewards (GRPO / RLOO / REINFORCE), or per-token MOPD rewards
+    log-probs   recomputed under the current weights at the sampling temperature, on generated tokens only
+    loss        PPO-clip with per-token importance correction against the behaviour log-probs (truncated or
+                masked IS), optional k3 KL to a reference, token-level aggregation over the whole batch
+    QB          Quantile Balancing: every router's scores from this step's forward passes set its routing bias
+
+Single process on CPU (and on one GPU). Micro-batches are packed by token count; the loss of each is scaled so
+that the sum over micro-batches is the batch's aggregate, whatever the packing.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from rlk3.algo.advantages import group_advantages, reward_spread
+from rlk3.algo.loss import LossConfig, policy_loss, token_logprobs
+from rlk3.model.quantile_balancing import quantile_balancing_bias
+from rlk3.rollout.trajectory import Status, Trajectory
+
+
+class DeadSignalError(RuntimeError):
+    """Training has had no learning signal for too many steps in a row."""
+
+
+@dataclass
+class Batch:
+    ids: torch.Tensor  # [B, T] right-padded
+    mask: torch.Tensor  # [B, T-1] 1 on generated target tokens
+    behaviour: torch.Tensor  # [B, T-1] behaviour logprobs on targets (0 elsewhere)
+    adv: torch.Tensor  # [B, T-1] per-token advantages
+
+
+class Trainer:
+    def __init__(self, model, cfg, *, temperature: float = 1.0, ref_model=None, log=print) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.temperature = temperature
+        self.ref_model = ref_model
+        self.log = log
+        self.loss_cfg = LossConfig(
+            clip_low=cfg.clip_low, clip_high=cfg.clip_high, is_mode=cfg.is_mode, is_cap=cfg.is_cap,
+            is_low=cfg.is_low, is_high=cfg.is_high, kl_coef=cfg.kl_coef, aggregation=cfg.aggregation,
+        )
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
+        self.version = 0  # optimizer steps taken = the policy version the engine gets next
+        self.dead_steps = 0
+        self.routers = [m for m in model.modules() if hasattr(m, "pop_scores")]
+
+    # ------------------------------------------------------------------ one step
+
+    def advantages(self, trajs: list[Trajectory]) -> list[torch.Tensor]:
+        """Per trajectory: advantages on its generated tokens (``[n_generated]``)."""
+        if all(t.token_rewards is not None for t in trajs):  # MOPD: per-token rewards (+ α·outcome, added before)
+            return [torch.tensor(t.token_rewards, dtype=torch.float32) for t in trajs]
+        rewards = torch.tensor([float(t.reward) for t in trajs])
+        adv = group_advantages(rewards, [t.group_id for t in trajs], self.cfg.estimator, self.cfg.scale_advantages)
+        return [torch.full((t.num_generated,), float(a)) for t, a in zip(trajs, adv)]
+
+    def _pack(self, trajs: list[Trajectory], advs: list[torch.Tensor]) -> list[Batch]:
+        order = sorted(range(len(trajs)), key=lambda i: len(trajs[i].token_ids))
+        groups, cur, longest = [], [], 0
+        for i in order:
+            n = len(trajs[i].token_ids)
+            if cur and max(longest, n) * (len(cur) + 1) > self.cfg.micro_batch_tokens:
+                groups.append(cur)
+                cur, longest = [], 0
+            cur.append(i)
+            longest = max(longest, n)
+        if cur:
+            groups.append(cur)
+        out = []
+        for g in groups:
+            T = max(len(trajs[i].token_ids) for i in g)
+            ids = torch.zeros(len(g), T, dtype=torch.long)
+            mask = torch.zeros(len(g), T - 1)
+            beh = torch.zeros(len(g), T - 1)
+            adv = torch.zeros(len(g), T - 1)
+            for r, i in enumerate(g):
+                t = trajs[i]
+                n = len(t.token_ids)
+                ids[r, :n] = torch.tensor(t.token_ids)
+                m = torch.tensor(t.loss_mask[1:], dtype=torch.float32)
+                mask[r, : n - 1] = m
+                pos = m.nonzero().squeeze(-1)
+                # a first token that is generated has no context to be predicted from: it cannot be trained on
+                skip = t.loss_mask[0]
+                beh[r, pos] = torch.tensor(t.behaviour_logprobs[skip:], dtype=torch.float32)
+                adv[r, pos] = advs[i][skip:]
+            out.append(Batch(ids, mask, beh, adv))
+        return out
+
+    def step(self, trajs: list[Trajectory]) -> dict[str, float]:
+        """One optimizer step on graded trajectories (failed ones are dropped). Returns metrics."""
+        trajs = [t for t in trajs if t.status != Status.FAILED and t.num_generated > 0]
+        metrics: dict[str, float] = {"train/sequences": len(trajs)}
+        if not trajs:
+            return self._dead(metrics, "no trainable trajectories")
+        advs = self.advantages(trajs)
+        batches = self._pack(trajs, advs)
+        total_tokens = sum(float(b.mask.sum()) for b in batches)
+        total_seqs = sum(b.ids.shape[0] for b in batches)
+        self.model.train()
+        for r in self.routers:
+            r.record_scores = self.cfg.qb_update
+        sums: dict[str, float] = {}
+        for b in batches:
+            out = self.model(b.ids)
+            logp, ent = token_logprobs(out.logits[:, :-1], b.ids[:, 1:], self.temperature)
+            ref = None
+            if self.ref_model is not None and self.cfg.kl_coef > 0:
+                with torch.no_grad():
+                    ref, _ = token_logprobs(self.ref_model(b.ids).logits[:, :-1], b.ids[:, 1:], self.temperature)
+            loss, m = policy_loss(logp, b.behaviour, b.adv, b.mask, self.loss_cfg, ref_logp=ref, entropy=ent)
+            weight = (float(b.mask.sum()) / max(total_tokens, 1.0) if self.cfg.aggregation == "token-mean"
+                      else b.ids.shape[0] / total_seqs)
+            (loss * weight).backward()
+            for k, v in m.items():
+                if k != "is_weight_max":
+                    sums[k] = sums.get(k, 0.0) + v * (m["tokens"] if k != "tokens" else 1.0)
+                else:
+                    sums[k] = max(sums.get(k, 0.0), v)
+            del out
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
+        if not math.isfinite(grad_norm):
+            self.opt.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"non-finite gradient norm {grad_norm}: the step was skipped")
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self._quantile_balance(metrics)
+        self.version += 1
+        n_tok = max(sums.get("tokens", 1.0), 1.0)
+        for k, v in sums.items():
+            metrics[f"train/{k}"] = v if k in ("tokens", "is_weight_max") else v / n_tok
+        metrics["train/grad_norm"] = grad_norm
+        metrics["train/version"] = self.version
+        rewards = torch.tensor([float(t.reward or 0.0) for t in trajs])
+        spread = reward_spread(rewards, [t.group_id for t in trajs])
+        mopd = all(t.token_rewards is not None for t in trajs)
+        why = None
+        if not mopd and bool((spread == 0).all()):
+            why = "every group has zero reward spread"
+        elif all(t.status == Status.TRUNCATED for t in trajs):
+            why = "every sample was truncated"
+        elif grad_norm == 0.0:
+            why = "the gradient is zero"
+        return self._dead(metrics, why) if why else self._alive(metrics)
+
+    def _alive(self, metrics):
+        self.dead_steps = 0
+        metrics["train/dead_steps"] = 0
+        return metrics
+
+    def _dead(self, metrics, why: str):
+        self.dead_steps += 1
+        metrics["train/dead_steps"] = self.dead_steps
+        if self.dead_steps >= self.cfg.dead_signal_patience:
+            raise DeadSignalError(
+                f"no learning signal for {self.dead_steps} steps in a row ({why}); check rewards, budgets and "
+                f"temperature, or raise train.dead_signal_patience"
+            )
+        self.log(f"warning: no learning signal this step ({why}); {self.dead_steps}/"
+                 f"{self.cfg.dead_signal_patience} before stopping")
+        return metrics
+
+    @torch.no_grad()
+    def _quantile_balance(self, metrics) -> None:
+        for r in self.routers:
+            r.record_scores = False
+            scores = r.pop_scores()
+            if scores is None or not self.cfg.qb_update:
+                continue
+            bias = quantile_balancing_bias(scores, r.e_score_correction_bias, r.top_k)
+            r.e_score_correction_bias.copy_(bias)
+        if self.routers:
+            metrics["train/qb_bias_absmax"] = max(float(r.e_score_correction_bias.abs().max()) for r in self.routers)
+
+    # ------------------------------------------------------------------ weights and state
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """What the engine gets: parameters and the (frozen at inference) routing biases."""
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def state(self) -> dict:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "version": self.version,
+            "dead_steps": self.dead_steps,
+        }
+
+    def load_state(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.version = state["version"]
+        self.dead_steps = state["dead_steps"]
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def set_rng_state(s: dict) -> None:
+    torch.set_rng_state(s["torch"])
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
