@@ -82,6 +82,8 @@ class RolloutConfig:
     top_p: float = 1.0
     max_new_tokens: int = 256  # per assistant turn
     max_total_tokens: int = 2048
+    snapshot_turns: bool = True  # snapshot each sandbox after every turn (environment recovery)
+    efforts: list[str] = field(default_factory=lambda: ["low", "medium", "high"])  # MOPD's prompt mix
 
 
 @dataclass

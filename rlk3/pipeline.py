@@ -18,4 +18,9 @@ def run_stage(cfg) -> int:
 
         run_sft(cfg)
         return 0
+    if cfg.run.stage == "rl":
+        from rlk3.cluster.driver import run_rl
+
+        run_rl(cfg)
+        return 0
     raise NotImplementedError(f"stage {cfg.run.stage!r} is not implemented yet")

@@ -1,0 +1,187 @@
+"""The RL driver: schedule → grade → train → sync → checkpoint → eval, on Ray.
+
+    python -m rlk3 rl configs/quickstart.yaml [key=value ...]        (or under `ray job submit`, see recipes/)
+
+The loop below is the whole algorithm; everything it calls is one method on a worker (rlk3/cluster/workers.py).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import ray
+from ray.exceptions import RayActorError
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rlk3.cluster.checkpoint import Checkpoints, MetricsLog
+from rlk3.cluster.workers import RolloutWorker, TrainWorker, budget_fn
+from rlk3.rollout.trajectory import Trajectory
+
+
+def run_rl(cfg, log=print) -> Path:
+    out = Path(cfg.run.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cluster = Cluster(cfg, out)
+    ckpts, metrics = Checkpoints(out / "checkpoints"), MetricsLog(out, cfg)
+    start, rollout_state = 0, None
+    if cfg.run.resume and (saved := ckpts.latest()) is not None:
+        start, rollout_state = cluster.restore(saved), saved.rollout
+        metrics.truncate(start)
+        log(f"rl: resumed from {saved.path} at iteration {start}")
+    _, budget = budget_fn(cfg)
+    samples = metrics.last("samples", 0)
+    for it in range(start, cfg.run.iterations):
+        t0 = time.perf_counter()
+        trajs, stats = cluster.rollout(it, rollout_state)  # schedule (+ grade: episodes are graded as they end)
+        rollout_state = None
+        t1 = time.perf_counter()
+        train_metrics = cluster.train(trajs) if trajs else {}  # train
+        t2 = time.perf_counter()
+        version = cluster.sync()  # sync
+        t3 = time.perf_counter()
+        samples += len(trajs)
+        row = summarize(trajs, stats, train_metrics, it, budget.at(it), samples,
+                        {"time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/sync_s": t3 - t2,
+                         "version": version})
+        if cfg.run.eval_every and (it + 1) % cfg.run.eval_every == 0:  # eval
+            row.update(cluster.evaluate(budget.at(it)))
+        metrics.write(row)
+        log(one_line(row))
+        if (it + 1) % cfg.run.checkpoint_every == 0 or it + 1 == cfg.run.iterations:  # checkpoint
+            ckpts.save(it + 1, cluster.trainer_state(), cluster.rollout_state())
+    final = out / "final"
+    cluster.save_model(final, manifest={"stage": cfg.run.stage, "domains": list(cfg.tasks.domains),
+                                        "effort": cfg.effort.level, "budget": budget.at(cfg.run.iterations),
+                                        "iterations": cfg.run.iterations, "samples": samples,
+                                        "last_metrics": metrics.last_row()})
+    cluster.close()
+    return final
+
+
+def summarize(trajs: list[Trajectory], stats: dict, train: dict, it: int, budget: int, samples: int, extra: dict):
+    n = max(len(trajs), 1)
+    return {
+        "iteration": it, "budget": budget, "samples": samples,
+        "reward/mean": sum(t.reward or 0.0 for t in trajs) / n,
+        "pass_rate": sum(bool(t.metrics.get("passed")) and not t.metrics.get("over_budget") for t in trajs) / n,
+        "tokens/mean": sum(t.num_generated for t in trajs) / n,
+        "over_budget_rate": sum(bool(t.metrics.get("over_budget")) for t in trajs) / n,
+        "trained": len(trajs),
+        "failed": sum(t.status == "failed" for t in trajs),
+        "staleness/max": max((t.policy_versions[-1] - min(t.policy_versions) for t in trajs if t.policy_versions),
+                             default=0),
+        **{f"rollout/{k}": v for k, v in stats.items() if isinstance(v, int | float)},
+        **train, **extra,
+    }
+
+
+def one_line(r: dict) -> str:
+    ev = " ".join(f"{k}={v:.2f}" for k, v in r.items() if k.startswith("eval/") and k.endswith("pass_rate"))
+    return (f"it {r['iteration']:>3} | reward {r['reward/mean']:+.3f} pass {r['pass_rate']:.2f} "
+            f"tokens {r['tokens/mean']:.0f} over {r['over_budget_rate']:.2f} budget {r['budget']} | "
+            f"trained {r['trained']} paused {r.get('rollout/paused', 0)} stale {r['staleness/max']} | "
+            f"rollout {r['time/rollout_s']:.1f}s train {r['time/train_s']:.1f}s sync {r['time/sync_s']:.2f}s"
+            + (f" | {ev}" if ev else ""))
+
+
+class Cluster:
+    """The Ray side: one placement group; rollout and train workers colocated in its bundle (or in two bundles
+    when ``cluster.colocate`` is off). A rollout worker that dies is restarted, given the current weights and the
+    carry-over buffer as of the iteration's start, and the iteration runs again: no trajectory is lost."""
+
+    def __init__(self, cfg, out: Path) -> None:
+        self.cfg, self.out = cfg, out
+        if not ray.is_initialized():
+            ray.init(address=cfg.cluster.ray_address, include_dashboard=False, log_to_driver=True,
+                     runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}})
+        res = {"CPU": 1} | ({"GPU": 1} if cfg.cluster.num_gpus else {})
+        bundles = [res] if cfg.cluster.colocate else [res, res]
+        self.pg = placement_group(bundles, strategy="PACK")
+        ray.get(self.pg.ready())
+        share = 0.5 if cfg.cluster.colocate else 1.0
+
+        def opts(i):
+            return dict(num_cpus=share, num_gpus=share if cfg.cluster.num_gpus else 0,
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, i))
+
+        self._rollout_opts = opts(0)
+        self.trainer = ray.remote(TrainWorker).options(**opts(0 if cfg.cluster.colocate else 1)).remote(cfg)
+        self.worker = self._new_rollout()
+        # on a shared GPU the engine's pool makes room for training; on CPU memory is not the constraint and a
+        # release would drop the caches paused trajectories keep across the iteration boundary
+        self.release_pool = cfg.cluster.colocate and bool(cfg.cluster.num_gpus)
+        self.version = 0
+        self._buffer: dict | None = None  # the rollout worker's buffer at the start of the current iteration
+
+    def _new_rollout(self):
+        return ray.remote(RolloutWorker).options(**self._rollout_opts).remote(self.cfg, str(self.out))
+
+    def restore(self, saved) -> int:
+        ray.get(self.trainer.load_state.remote(saved.trainer))
+        self.sync()
+        return saved.iteration
+
+    def rollout(self, it: int, state: dict | None) -> tuple[list[Trajectory], dict]:
+        if state is not None:
+            ray.get(self.worker.load_state.remote(state))
+        self._buffer = ray.get(self.worker.state.remote())
+        for attempt in range(3):
+            try:
+                if self.release_pool:
+                    ray.get(self.worker.reacquire_memory.remote())
+                dicts, stats = ray.get(self.worker.iterate.remote(it))
+                if self.release_pool:
+                    ray.get(self.worker.release_memory.remote())  # training's turn for the memory
+                stats["restarts"] = attempt
+                return [Trajectory.from_dict(d) for d in dicts], stats
+            except RayActorError:
+                if attempt == 2:
+                    raise
+                print(f"rl: the rollout worker died in iteration {it}; restarting it and running the iteration again")
+                self.worker = self._new_rollout()
+                ray.get(self.worker.load_state.remote(self._buffer))
+                if self.version:
+                    ray.get(self.worker.update_weights.remote(self.trainer.weights.remote(), self.version))
+        raise AssertionError("unreachable")
+
+    def train(self, trajs: list[Trajectory]) -> dict:
+        return ray.get(self.trainer.step.remote([t.to_dict() for t in trajs]))
+
+    def sync(self) -> int:
+        """Trainer weights → engine (through the object store: shared memory on one node)."""
+        self.version = ray.get(self.trainer.version.remote())
+        if self.version:
+            weights = self.trainer.weights.remote()
+            ray.get(self.worker.update_weights.remote(weights, self.version))
+        return self.version
+
+    def evaluate(self, budget: int) -> dict:
+        cfg = self.cfg
+        slices = [(d, cfg.effort.level, budget) for d in cfg.tasks.domains]
+        res = ray.get(self.worker.evaluate.remote(slices, cfg.tasks.heldout_size))
+        out = {}
+        for r in res:
+            for k in ("pass_rate", "mean_tokens", "over_budget_rate"):
+                out[f"eval/{r['domain']}/{r['effort']}/{k}"] = r[k]
+        return out
+
+    def trainer_state(self):
+        return ray.get(self.trainer.state.remote())
+
+    def rollout_state(self):
+        return ray.get(self.worker.state.remote())
+
+    def save_model(self, path: Path, manifest: dict) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        ray.get(self.trainer.save_model.remote(str(path)))
+        (path / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
+
+    def close(self) -> None:
+        try:
+            ray.get(self.worker.close.remote())
+        except RayActorError:
+            pass
+        ray.util.remove_placement_group(self.pg)

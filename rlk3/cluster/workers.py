@@ -1,0 +1,159 @@
+"""The two workers of a run. Plain classes: the driver wraps them as Ray actors (``ray.remote``); tests may also
+use them in-process.
+
+``RolloutWorker`` owns the engine, the sandbox service client, the graders and the partial-rollout scheduler;
+``TrainWorker`` owns the trainable model and its optimizer. Colocated (the default), both live in one placement
+group bundle and alternate: the rollout worker releases its engine pool while training runs
+(``release_memory``) and takes it back for the next iteration; weights move through Ray's shared-memory object
+store on CPU (CUDA IPC handles would replace this on one GPU; a broadcast over NCCL/gloo when disaggregated).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import torch
+
+from rlk3.algo.effort import BudgetSchedule
+from rlk3.rollout.demos import DEFAULT_BUDGETS
+
+
+def setup_process(cfg) -> None:
+    torch.manual_seed(cfg.run.seed)
+    torch.set_num_threads(cfg.cluster.cpu_threads or 1)
+
+
+def build_policy(cfg):
+    """(model, tokenizer): the checkpoint in ``model.init_from`` (the SFT output), or a fresh preset model with the
+    built-in tokenizer when there is none (smoke runs)."""
+    from harness.tokenizer import default_tokenizer, load_tokenizer
+    from rlk3.model import K3Config, K3ForCausalLM
+
+    if cfg.model.init_from:
+        path = Path(cfg.model.init_from)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model.init_from={path}: no config.json there (expected an SFT/RL checkpoint)")
+        return K3ForCausalLM.from_pretrained(str(path)), load_tokenizer(path)
+    tok = default_tokenizer()
+    k3 = K3Config.preset(cfg.model.preset, **{**dict(cfg.model.overrides), "vocab_size": len(tok)})
+    return K3ForCausalLM(k3), tok
+
+
+def budget_fn(cfg):
+    """effort, step → the budget stated in the prompt and enforced. The run's own effort level anneals from
+    ``effort.budget_start`` down to ``effort.budget``; other levels (MOPD's mixed prompts) use the defaults."""
+    e = cfg.effort
+    sched = BudgetSchedule(start=e.budget_start or e.budget, end=e.budget, steps=e.anneal_steps,
+                           kind=e.schedule if e.budget_start else "constant")
+
+    def at(effort: str, step: int) -> int:
+        return sched.at(step) if effort == e.level else DEFAULT_BUDGETS[effort]
+
+    return at, sched
+
+
+class RolloutWorker:
+    def __init__(self, cfg, state_dir: str) -> None:
+        from rlk3.engine import EngineConfig, RolloutEngine
+        from rlk3.rollout.agent_loop import LoopConfig
+        from rlk3.rollout.env import RolloutEnv
+        from rlk3.rollout.partial import PartialRollouts, PromptSource
+
+        setup_process(cfg)
+        self.cfg = cfg
+        model, self.tokenizer = build_policy(cfg)
+        self.engine = RolloutEngine(model.eval(), EngineConfig(memory_bytes=256 << 20,
+                                                               max_model_len=cfg.rollout.max_total_tokens))
+        self.env = RolloutEnv(self.tokenizer, domains=tuple(sorted(set(cfg.tasks.domains))),
+                              sandbox_url=cfg.cluster.sandbox_url, state_dir=Path(state_dir) / "sandboxes")
+        self.env.__enter__()
+        r = cfg.rollout
+        self.loop = self.env.loop(self.engine, LoopConfig(
+            temperature=r.temperature, top_p=r.top_p, max_turn_tokens=r.max_new_tokens,
+            max_context_tokens=r.max_total_tokens, max_turns=cfg.harness.max_turns, seed=cfg.run.seed,
+            snapshot_turns=r.snapshot_turns))
+        budget, _ = budget_fn(cfg)
+        efforts = [cfg.effort.level] if cfg.run.stage == "rl" else list(r.efforts)
+        source = PromptSource(list(cfg.tasks.domains), efforts, budget, weights=list(cfg.tasks.weights) or None,
+                              train_size=cfg.tasks.train_size, seed=cfg.run.seed)
+        self.partial = PartialRollouts(self.loop, source, groups=r.groups_per_iteration, group_size=r.group_size,
+                                       lam=r.lam, max_staleness=r.max_staleness)
+        self.aio = asyncio.new_event_loop()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def iterate(self, step: int) -> tuple[list[dict], dict]:
+        """One iteration of partial rollouts; the complete groups' trajectories (as dicts) and the stats."""
+        version = self.engine.version
+        trajs, stats = self.aio.run_until_complete(self.partial.iterate(step, version))
+        s = stats.__dict__.copy()
+        s["engine"] = self.engine.stats().__dict__ if hasattr(self.engine.stats(), "__dict__") else {}
+        return [t.to_dict() for t in trajs], s
+
+    def update_weights(self, weights: dict, version: int) -> None:
+        self.engine.update_weights(weights, version)
+
+    def release_memory(self) -> None:
+        self.engine.release_memory()
+
+    def reacquire_memory(self) -> None:
+        self.engine.reacquire_memory()
+
+    def state(self) -> dict:
+        return self.partial.state()
+
+    def load_state(self, s: dict) -> None:
+        self.partial.load_state(s)
+
+    def evaluate(self, slices: list[tuple[str, str, int | None]], n: int) -> list[dict]:
+        from rlk3.rollout.agent_loop import AgentLoop, LoopConfig
+        from rlk3.rollout.evaluate import evaluate_slices
+
+        greedy = AgentLoop(self.loop.front, self.loop.harnesses, sandboxes=self.loop.sandboxes,
+                           grading=self.loop.grading,
+                           config=LoopConfig(temperature=0.0, max_turn_tokens=self.cfg.rollout.max_new_tokens,
+                                             max_context_tokens=self.cfg.rollout.max_total_tokens))
+        res, _ = self.aio.run_until_complete(evaluate_slices(greedy, slices, n))
+        return [r.to_dict() for r in res]
+
+    def close(self) -> None:
+        self.aio.run_until_complete(self.loop.front.close())
+        self.env.__exit__(None, None, None)
+
+
+class TrainWorker:
+    def __init__(self, cfg) -> None:
+        from rlk3.train.trainer import Trainer
+
+        setup_process(cfg)
+        self.cfg = cfg
+        model, self.tokenizer = build_policy(cfg)
+        ref = None
+        if cfg.train.kl_coef > 0:
+            ref, _ = build_policy(cfg)
+            ref.eval().requires_grad_(False)
+        self.trainer = Trainer(model, cfg.train, temperature=cfg.rollout.temperature or 1.0, ref_model=ref)
+
+    def step(self, trajs: list[dict]) -> dict:
+        from rlk3.rollout.trajectory import Trajectory
+
+        return self.trainer.step([Trajectory.from_dict(d) for d in trajs])
+
+    def weights(self) -> dict:
+        return self.trainer.weights()
+
+    def version(self) -> int:
+        return self.trainer.version
+
+    def state(self) -> dict:
+        return self.trainer.state()
+
+    def load_state(self, s: dict) -> None:
+        self.trainer.load_state(s)
+
+    def save_model(self, path: str) -> None:
+        self.trainer.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)

@@ -1,0 +1,212 @@
+"""Partial rollouts: a λ cutoff per iteration and a carry-over buffer (DESIGN.md §2, issue 7).
+
+Each iteration:
+
+1. top up to ``groups`` prompt groups: the groups in the carry-over buffer first, then fresh prompts, each with
+   ``group_size`` samples;
+2. restart carried-over trajectories whose oldest token lags the current policy by more than ``max_staleness``
+   versions (their cache and sandbox are dropped; the uid stays, so nothing is lost or duplicated);
+3. run every unfinished trajectory (paused ones resume where they stopped: engine cache and sandbox kept);
+4. once ``ceil(λ · launched)`` have finished, pause the rest;
+5. hand over the groups whose samples have all finished (group-normalised advantages need whole groups); the
+   rest — paused samples and the early finishers of their groups — stay in the buffer for the next iteration.
+
+λ = 1 is synchronous RL. With λ < 1 a group trains once its slowest sample finishes, possibly an iteration or two
+later, and its tokens then span several policy versions: the trainer corrects each token by its importance ratio
+against the behaviour log-prob recorded when it was sampled. A larger group makes it more likely that some sample
+is long, so the fraction of groups trained per iteration falls as λ falls and group size grows; the buffer never
+holds more than ``groups`` groups.
+
+The buffer and the prompt position are part of every checkpoint (``state`` / ``load_state``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from envs.tasks import Task, get_tasks
+from rlk3.rollout.agent_loop import AgentLoop
+from rlk3.rollout.trajectory import Status, Trajectory
+
+
+@dataclass
+class Prompt:
+    task: Task
+    effort: str
+    budget: int | None
+
+
+class PromptSource:
+    """Training prompts over a weighted domain mix and a set of effort levels; position ``p`` always draws the same
+    prompt (seeded), so resuming at a saved position continues the same data order."""
+
+    def __init__(
+        self,
+        domains: list[str],
+        efforts: list[str],
+        budget: Callable[[str, int], int | None],
+        *,
+        weights: list[float] | None = None,
+        train_size: int = 4096,
+        seed: int = 0,
+    ) -> None:
+        if not domains or not efforts:
+            raise ValueError("PromptSource needs at least one domain and one effort level")
+        if weights and len(weights) != len(domains):
+            raise ValueError(f"tasks.weights has {len(weights)} entries for {len(domains)} domains")
+        self.domains, self.efforts = list(domains), list(efforts)
+        self.weights = list(weights) if weights else [1.0] * len(domains)
+        self.budget = budget
+        self.train_size = train_size
+        self.seed = seed
+        self.position = 0
+
+    def next(self, step: int) -> Prompt:
+        p = self.position
+        self.position += 1
+        rng = random.Random(f"prompts|{self.seed}|{p}")
+        domain = rng.choices(self.domains, self.weights)[0]
+        effort = rng.choice(self.efforts)
+        (task,) = get_tasks(domain, "train", 1, start=(p * 7919) % self.train_size)
+        return Prompt(task, effort, self.budget(effort, step))
+
+    def state(self) -> dict:
+        return {"position": self.position}
+
+    def load_state(self, s: dict) -> None:
+        self.position = int(s["position"])
+
+
+@dataclass
+class IterationStats:
+    launched: int = 0
+    resumed: int = 0
+    fresh: int = 0
+    finished: int = 0  # finished this iteration (before and after the cutoff)
+    finished_before_pause: int = 0
+    paused: int = 0
+    restarted_stale: int = 0
+    groups_trained: int = 0
+    buffered: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class PartialRollouts:
+    def __init__(
+        self,
+        loop: AgentLoop,
+        source: PromptSource,
+        *,
+        groups: int,
+        group_size: int,
+        lam: float = 1.0,
+        max_staleness: int = 4,
+        max_parallel: int = 256,
+    ) -> None:
+        if not 0.0 < lam <= 1.0:
+            raise ValueError(f"rollout.lam must be in (0, 1], got {lam}")
+        self.loop = loop
+        self.source = source
+        self.groups = groups
+        self.group_size = group_size
+        self.lam = lam
+        self.max_staleness = max_staleness
+        self.max_parallel = max_parallel
+        self.buffer: list[Trajectory] = []
+        self.tasks: dict[str, dict] = {}  # group id -> the task (as a dict, for checkpoints)
+
+    # ------------------------------------------------------------------ one iteration
+
+    def _top_up(self, step: int) -> list[Trajectory]:
+        have = list(dict.fromkeys(t.group_id for t in self.buffer))
+        fresh = []
+        for _ in range(self.groups - len(have)):
+            pos = self.source.position
+            prompt = self.source.next(step)
+            gid = f"g{pos}"
+            self.tasks[gid] = prompt.task.to_dict()
+            for j in range(self.group_size):
+                fresh.append(self.loop.new_trajectory(prompt.task, effort=prompt.effort, budget=prompt.budget,
+                                                      group_id=gid, uid=f"{gid}-{j}"))
+        return fresh
+
+    async def _restart_stale(self, version: int, stats: IterationStats) -> None:
+        for t in self.buffer:
+            if t.status == Status.PAUSED and t.policy_versions and version - min(t.policy_versions) > self.max_staleness:
+                await self.loop.abandon(t)
+                restarts = t.metrics.get("restarts", 0) + 1
+                fresh = Trajectory(uid=t.uid, group_id=t.group_id, task_id=t.task_id, domain=t.domain,
+                                   effort=t.effort, budget=t.budget, metrics={"restarts": restarts})
+                t.__dict__.update(fresh.__dict__)
+                t.status = Status.PAUSED  # not started yet; runs as a fresh episode
+                stats.restarted_stale += 1
+
+    async def iterate(self, step: int, version: int, progress=None) -> tuple[list[Trajectory], IterationStats]:
+        """Run one iteration; returns the trajectories of the groups complete now (in a fixed order)."""
+        stats = IterationStats()
+        await self._restart_stale(version, stats)
+        carried = [t for t in self.buffer if not t.finished]
+        fresh = self._top_up(step)
+        self.buffer += fresh
+        run = carried + fresh
+        stats.resumed, stats.fresh, stats.launched = len(carried), len(fresh), len(run)
+        need = math.ceil(self.lam * len(run))
+        done_count = 0
+        pause_sent = False
+        sem = asyncio.Semaphore(self.max_parallel)
+
+        async def one(t: Trajectory) -> Trajectory:
+            nonlocal done_count, pause_sent
+            async with sem:
+                task = Task.from_dict(self.tasks[t.group_id])
+                out = await self.loop.run(task, t)
+            if out.finished:
+                done_count += 1
+                if not pause_sent:
+                    stats.finished_before_pause += 1
+                if progress is not None:
+                    progress()
+                if done_count >= need and not pause_sent and self.lam < 1.0:
+                    pause_sent = True
+                    await self.loop.pause()
+            return out
+
+        self.loop.unpause()
+        try:
+            await asyncio.gather(*(one(t) for t in run))
+        finally:
+            self.loop.unpause()
+        stats.finished = done_count
+        stats.paused = sum(t.status == Status.PAUSED for t in run)
+        by_group: dict[str, list[Trajectory]] = {}
+        for t in self.buffer:
+            by_group.setdefault(t.group_id, []).append(t)
+        ready, keep = [], []
+        for gid, members in by_group.items():
+            if all(m.finished for m in members):
+                ready += sorted(members, key=lambda m: m.uid)
+                self.tasks.pop(gid, None)
+                stats.groups_trained += 1
+            else:
+                keep += members
+        self.buffer = keep
+        stats.buffered = len(keep)
+        return ready, stats
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state(self) -> dict:
+        return {
+            "buffer": [t.to_dict() for t in self.buffer],
+            "tasks": dict(self.tasks),
+            "source": self.source.state(),
+        }
+
+    def load_state(self, s: dict) -> None:
+        self.buffer = [Trajectory.from_dict(d) for d in s["buffer"]]
+        self.tasks = dict(s["tasks"])
+        self.source.load_state(s["source"])
