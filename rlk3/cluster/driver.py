@@ -7,6 +7,7 @@ The loop below is the whole algorithm; everything it calls is one method on a wo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -180,8 +181,6 @@ class Cluster:
         (path / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(RayActorError):
             ray.get(self.worker.close.remote())
-        except RayActorError:
-            pass
         ray.util.remove_placement_group(self.pg)

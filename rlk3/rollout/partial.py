@@ -136,7 +136,8 @@ class PartialRollouts:
 
     async def _restart_stale(self, version: int, stats: IterationStats) -> None:
         for t in self.buffer:
-            if t.status == Status.PAUSED and t.policy_versions and version - min(t.policy_versions) > self.max_staleness:
+            lag = version - min(t.policy_versions) if t.policy_versions else 0
+            if t.status == Status.PAUSED and lag > self.max_staleness:
                 await self.loop.abandon(t)
                 restarts = t.metrics.get("restarts", 0) + 1
                 fresh = Trajectory(uid=t.uid, group_id=t.group_id, task_id=t.task_id, domain=t.domain,
