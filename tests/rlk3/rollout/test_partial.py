@@ -140,5 +140,5 @@ def test_buffer_survives_a_checkpoint_round_trip(general_policy):
 
 def test_lambda_is_validated(general_policy):
     model, tok = general_policy
-    with pytest.raises(ValueError, match="rollout.lam must be in"):
+    with pytest.raises(ValueError, match=r"rollout\.lam must be in"):
         make(model, tok, lam=0.0)
