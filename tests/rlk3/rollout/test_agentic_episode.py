@@ -17,7 +17,7 @@ from harness import Harness
 from harness.tokenizer import default_tokenizer
 from rlk3.engine import EngineConfig, RolloutEngine
 from rlk3.model import K3Config, K3ForCausalLM
-from rlk3.rollout.agent_loop import LoopConfig
+from rlk3.rollout.agent_loop import E2BEpisodeSandboxes, LoopConfig
 from rlk3.rollout.demos import DEFAULT_BUDGETS, build_demos
 from rlk3.rollout.env import RolloutEnv
 from rlk3.rollout.trajectory import Status
@@ -49,17 +49,27 @@ def fit(model, tok, demos, steps=200):
 def fitted():
     tok = default_tokenizer()
     torch.manual_seed(0)
-    demos = build_demos("coding", 1, tokenizer=tok, error_rate=0.0, seed=11)
-    model = fit(K3ForCausalLM(K3Config.preset("k3-tiny", vocab_size=len(tok))), tok, demos)
-    return model, tok, demos[0]
+    # a high-effort demonstration: write the function, check it with the shell, submit (three turns)
+    demo = next(d for d in build_demos("coding", 8, tokenizer=tok, error_rate=0.0, seed=11) if d.effort == "high")
+    model = fit(K3ForCausalLM(K3Config.preset("k3-tiny", vocab_size=len(tok))), tok, [demo])
+    return model, tok, demo
 
 
-def test_agentic_episode_end_to_end(fitted, tmp_path):
-    model, tok, demo = fitted
-    (task,) = [t for t in get_tasks("coding", "train", 1) if t.task_id == demo.task_id]
+def task_of(demo):
+    i = int(demo.task_id.rsplit("/", 1)[1])
+    (task,) = get_tasks("coding", "train", 1, start=i)
+    assert task.task_id == demo.task_id
+    return task
+
+
+def episode(model, tok, demo, tmp_path, *, snapshot_turns=False, sandboxes_cls=None):
+    task = task_of(demo)
     with RolloutEnv(tok, domains=("coding",), state_dir=tmp_path) as env:
+        if sandboxes_cls is not None:
+            env.sandboxes = sandboxes_cls(env.sandboxes.client)
         loop = env.loop(RolloutEngine(model, EngineConfig(memory_bytes=64 << 20)),
-                        LoopConfig(temperature=0.0, max_turn_tokens=256, max_context_tokens=4096))
+                        LoopConfig(temperature=0.0, max_turn_tokens=256, max_context_tokens=4096,
+                                   snapshot_turns=snapshot_turns))
 
         async def go():
             try:
@@ -68,10 +78,19 @@ def test_agentic_episode_end_to_end(fitted, tmp_path):
             finally:
                 await loop.front.close()
 
-        traj = asyncio.run(go())
+        return asyncio.run(go())
+
+
+def tool_calls(traj):
+    return [c["function"]["name"] for m in traj.messages if m["role"] == "assistant" for c in m.get("tool_calls", [])]
+
+
+def test_agentic_episode_end_to_end(fitted, tmp_path):
+    model, tok, demo = fitted
+    traj = episode(model, tok, demo, tmp_path)
     traj.validate()
-    calls = [c["function"]["name"] for m in traj.messages if m["role"] == "assistant" for c in m.get("tool_calls", [])]
-    assert calls[0] == "write_file" and calls[-1] == "submit", traj.messages
+    calls = tool_calls(traj)
+    assert calls == ["write_file", "shell", "submit"], traj.messages
     tool_out = [m["content"] for m in traj.messages if m["role"] == "tool"]
     assert tool_out and not any(c.startswith("Error") for c in tool_out), tool_out
     assert traj.status == Status.FINISHED
@@ -80,3 +99,50 @@ def test_agentic_episode_end_to_end(fitted, tmp_path):
     # tool output is in the stream but never trained on; the model's own tokens are
     n_tool = sum(1 for m in traj.loss_mask if m == 0)
     assert 0 < traj.num_generated < len(traj.token_ids) and n_tool > 0
+
+
+class KillAfterFirstSnapshot(E2BEpisodeSandboxes):
+    """The real sandbox service, plus a fault: right after the first turn's snapshot the sandbox is killed, as
+    when a node or a sandbox process dies mid-episode."""
+
+    killed: list[str] = []
+
+    async def snapshot(self, sid):
+        snap = await super().snapshot(sid)
+        if not self.killed:
+            self.killed.append(sid)
+            await self.client.kill(sid)
+        return snap
+
+
+class KillAfterFirstTurn(E2BEpisodeSandboxes):
+    killed: list[str] = []
+
+    async def exec(self, sid, cmd, timeout=60):
+        if not self.killed:  # the first shell call: the sandbox dies under it
+            self.killed.append(sid)
+            await self.client.kill(sid)
+        return await super().exec(sid, cmd, timeout)
+
+
+def test_a_killed_sandbox_is_restored_from_the_last_turn_snapshot(fitted, tmp_path):
+    model, tok, demo = fitted
+    KillAfterFirstSnapshot.killed = []
+    traj = episode(model, tok, demo, tmp_path, snapshot_turns=True, sandboxes_cls=KillAfterFirstSnapshot)
+    assert KillAfterFirstSnapshot.killed, "the fault was never injected"
+    assert traj.sandbox_id != KillAfterFirstSnapshot.killed[0]  # it continued in the restored sandbox
+    assert len(traj.metrics["recoveries"]) == 1 and traj.metrics["recoveries"][0]["turn"] == 2
+    assert tool_calls(traj) == ["write_file", "shell", "submit"]
+    # the restored sandbox had the file written before the snapshot: the check ran and the grade passes
+    assert traj.status == Status.FINISHED and traj.reward == 1.0, traj.metrics["grade_reasons"]
+
+
+def test_without_a_snapshot_the_episode_fails_cleanly(fitted, tmp_path):
+    model, tok, demo = fitted
+    KillAfterFirstTurn.killed = []
+    traj = episode(model, tok, demo, tmp_path, snapshot_turns=False, sandboxes_cls=KillAfterFirstTurn)
+    assert KillAfterFirstTurn.killed
+    assert traj.status == Status.FAILED
+    assert traj.metrics["failure"]["recovered"] is False and traj.metrics["failure"]["error"]
+    assert traj.reward == 0.0 and any(r.startswith("environment_failed") for r in traj.metrics["grade_reasons"])
+    traj.validate()
