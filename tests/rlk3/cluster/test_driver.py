@@ -1,0 +1,144 @@
+"""The RL driver on a real local Ray: a run end to end, a rollout worker killed mid-iteration, checkpoint/resume
+after SIGKILLs equal to an uninterrupted run, and `ray job submit` of the quickstart recipe."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlk3.config import load_config
+
+ROOT = Path(__file__).resolve().parents[3]
+VOLATILE = ("time/", "rollout/engine", "rollout/restarts")
+
+
+@pytest.fixture(scope="module")
+def init_dir(general_policy, tmp_path_factory):
+    model, tok = general_policy
+    d = tmp_path_factory.mktemp("init")
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def overrides(out, init, **extra):
+    base = {"run.output_dir": str(out), "model.init_from": str(init), "run.iterations": 4,
+            "run.checkpoint_every": 1, "cluster.cpu_threads": 1, "rollout.groups_per_iteration": 2,
+            "rollout.group_size": 4, "rollout.max_new_tokens": 48, "train.lr": 3e-4}
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def stable(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
+
+
+def rows(out):
+    p = Path(out) / "metrics.jsonl"
+    return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
+
+
+@pytest.fixture
+def ray_local():
+    import ray
+
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def test_a_rollout_worker_killed_mid_iteration_is_restarted(init_dir, tmp_path, ray_local):
+    from rlk3.cluster.driver import run_rl
+
+    cfg = load_config(ROOT / "configs/quickstart.yaml", overrides(tmp_path / "run", init_dir, **{"run.iterations": 3}))
+    killed = []
+
+    def killer():  # the worker's process title names the method it runs: kill it inside iteration 1's rollout
+        deadline = time.time() + 300
+        while time.time() < deadline and not killed:
+            if len(rows(tmp_path / "run")) >= 1:
+                out = subprocess.run(["pgrep", "-f", "ray::RolloutWorker.iterate"], capture_output=True, text=True)
+                for pid in out.stdout.split():
+                    os.kill(int(pid), signal.SIGKILL)
+                    killed.append(int(pid))
+            time.sleep(0.05)
+
+    t = threading.Thread(target=killer, daemon=True)
+    t.start()
+    final = run_rl(cfg, log=lambda *_: None)
+    t.join(timeout=1)
+    assert killed, "the rollout worker was never caught inside an iteration"
+    r = rows(tmp_path / "run")
+    assert [x["iteration"] for x in r] == [0, 1, 2]
+    assert r[1]["rollout/restarts"] >= 1
+    assert [x["trained"] for x in r] == [8, 8, 8] and r[-1]["samples"] == 24  # nothing lost
+    manifest = json.loads((final / "manifest.json").read_text())
+    assert manifest["samples"] == 24 and (final / "model.safetensors").exists()
+
+
+def _driver(out, init, log):
+    return subprocess.Popen(
+        [sys.executable, "-m", "rlk3", "rl", str(ROOT / "configs/quickstart.yaml"), *overrides(out, init)],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+
+
+@pytest.mark.slow
+def test_resume_after_sigkills_equals_an_uninterrupted_run(init_dir, tmp_path):
+    ref_out, out = tmp_path / "ref", tmp_path / "killed"
+    with open(tmp_path / "ref.log", "wb") as log:
+        assert _driver(ref_out, init_dir, log).wait(timeout=900) == 0, (tmp_path / "ref.log").read_text()[-3000:]
+    rng = random.Random(7)
+    kills = 0
+    with open(tmp_path / "killed.log", "ab") as log:
+        for _ in range(3):  # three kills at random moments, each after some progress
+            before = len(rows(out))
+            p = _driver(out, init_dir, log)
+            deadline = time.time() + 600
+            while len(rows(out)) <= before and p.poll() is None and time.time() < deadline:
+                time.sleep(0.05)
+            time.sleep(rng.uniform(0.0, 3.0))
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                kills += 1
+            p.wait()
+        assert _driver(out, init_dir, log).wait(timeout=900) == 0, (tmp_path / "killed.log").read_text()[-3000:]
+    assert kills >= 2
+    a, b = load_file(ref_out / "final/model.safetensors"), load_file(out / "final/model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert stable(rows(ref_out)) == stable(rows(out))
+
+
+@pytest.mark.slow
+def test_ray_job_submit_of_the_quickstart_recipe(init_dir, tmp_path):
+    port = 28265 + os.getpid() % 1000
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_DASHBOARD_PORT": str(port),
+           "RLK3_OUTPUT_DIR": str(tmp_path / "job"), "PY": sys.executable}
+    env.pop("RAY_ADDRESS", None)
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    try:
+        r = subprocess.run(["bash", str(ROOT / "recipes/quickstart.sh"), f"model.init_from={init_dir}",
+                            "run.iterations=2", "run.checkpoint_every=1", "rollout.groups_per_iteration=2",
+                            "rollout.max_new_tokens=32"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert "SUCCEEDED" in r.stdout + r.stderr
+        got = rows(tmp_path / "job")
+        assert [x["iteration"] for x in got] == [0, 1]
+        assert (tmp_path / "job/final/manifest.json").exists()
+        assert (tmp_path / "job/checkpoints/iter-000002/trainer.pt").exists()
+    finally:
+        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
