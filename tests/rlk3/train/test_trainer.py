@@ -1,0 +1,119 @@
+"""The RL trainer on real k3-tiny forward/backward passes: the update direction, packing invariance, the
+per-token importance correction, Quantile Balancing's bias shipped with the weights, the dead-signal guard."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from rlk3.config import TrainConfig
+from rlk3.model import K3Config, K3ForCausalLM
+from rlk3.rollout.trajectory import Status, Trajectory
+from rlk3.train.trainer import DeadSignalError, Trainer
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return K3ForCausalLM(K3Config.preset("k3-tiny", vocab_size=300))
+
+
+def traj(model, uid, group, reward, *, prompt=8, gen=6, seed=0, stale=0.0, status=Status.FINISHED):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, 300, (prompt + gen,), generator=g).tolist()
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    beh = [logp[i - 1, ids[i]].item() - stale for i in range(prompt, prompt + gen)]
+    return Trajectory(uid=uid, group_id=group, task_id="t", token_ids=ids, loss_mask=[0] * prompt + [1] * gen,
+                      behaviour_logprobs=beh, policy_versions=[0] * gen, reward=reward, status=status)
+
+
+def seq_logp(model, t):
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([t.token_ids])).logits[0].float(), -1)
+    return sum(logp[i - 1, t.token_ids[i]].item() for i, m in enumerate(t.loss_mask) if m)
+
+
+def cfg(**kw):
+    base = dict(lr=1e-3, qb_update=False, dead_signal_patience=3)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_a_step_raises_the_rewarded_sample_and_lowers_the_other(model):
+    m = copy.deepcopy(model)
+    good, bad = traj(m, "a", "g", 1.0, seed=1), traj(m, "b", "g", 0.0, seed=2)
+    before = seq_logp(m, good), seq_logp(m, bad)
+    metrics = Trainer(m, cfg()).step([good, bad])
+    after = seq_logp(m, good), seq_logp(m, bad)
+    assert after[0] > before[0] and after[1] < before[1]
+    assert metrics["train/tokens"] == 12 and metrics["train/version"] == 1
+    assert metrics["train/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)  # on-policy: ratio 1
+
+
+def grads(model, trajs, micro_batch_tokens):
+    """The (clipped) gradient the optimizer would apply."""
+    m = copy.deepcopy(model)
+    tr = Trainer(m, cfg(micro_batch_tokens=micro_batch_tokens))
+    got = {}
+    tr.opt.step = lambda *a, **k: got.update({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+    tr.step(copy.deepcopy(trajs))
+    return got
+
+
+def test_packing_does_not_change_the_gradient(model):
+    trajs = [traj(model, f"u{i}", f"g{i // 2}", float(i % 2), seed=i, gen=4 + i) for i in range(6)]
+    one = grads(model, trajs, 10_000)  # one micro-batch, right-padded
+    many = grads(model, trajs, 20)  # one sequence per micro-batch
+    assert one.keys() == many.keys() and one
+    for k in one:
+        assert torch.allclose(one[k], many[k], atol=1e-7, rtol=1e-3), k
+
+
+def test_stale_tokens_are_corrected_per_token(model):
+    # behaviour log-probs 0.5 nats below the current policy: w = e^0.5 ≈ 1.65; truncated IS caps it, masked IS drops it
+    trajs = [traj(model, "a", "g", 1.0, seed=1, stale=0.5), traj(model, "b", "g", 0.0, seed=2, stale=0.5)]
+    t = Trainer(copy.deepcopy(model), cfg(is_mode="truncate", is_cap=1.2)).step(copy.deepcopy(trajs))
+    assert t["train/is_weight_mean"] == pytest.approx(1.2, abs=1e-4)
+    m = Trainer(copy.deepcopy(model), cfg(is_mode="mask", is_low=0.8, is_high=1.5)).step(copy.deepcopy(trajs))
+    assert m["train/is_masked_frac"] == pytest.approx(1.0)
+    # every token masked: no gradient at all, the weights do not move
+    frozen = copy.deepcopy(model)
+    Trainer(frozen, cfg(is_mode="mask", is_low=0.8, is_high=1.5)).step(copy.deepcopy(trajs))
+    for x, y in zip(frozen.parameters(), model.parameters()):
+        assert torch.equal(x, y)
+
+
+def test_quantile_balancing_updates_the_bias_and_ships_it(model):
+    m = copy.deepcopy(model)
+    tr = Trainer(m, cfg(qb_update=True))
+    tr.step([traj(m, "a", "g", 1.0, seed=1, gen=20), traj(m, "b", "g", 0.0, seed=2, gen=20)])
+    biases = {k: v for k, v in tr.weights().items() if k.endswith("e_score_correction_bias")}
+    assert biases and any(v.abs().max() > 0 for v in biases.values())
+    for v in biases.values():
+        assert v.mean().abs() < 1e-5  # mean-centred
+    # frozen at inference: a forward in eval mode records nothing and leaves the bias alone
+    before = {k: v.clone() for k, v in biases.items()}
+    with torch.no_grad():
+        m.eval()(torch.tensor([[5, 6, 7]]))
+    assert all(torch.equal(before[k], m.state_dict()[k]) for k in before)
+
+
+def test_failed_trajectories_are_never_trained_on(model):
+    m = copy.deepcopy(model)
+    trajs = [traj(m, "a", "g", 1.0, seed=1), traj(m, "b", "g", 0.0, seed=2),
+             traj(m, "c", "g", 0.0, seed=3, status=Status.FAILED)]
+    assert Trainer(m, cfg()).step(trajs)["train/sequences"] == 2
+
+
+def test_dead_signal_warns_then_stops(model):
+    logs = []
+    tr = Trainer(copy.deepcopy(model), cfg(dead_signal_patience=3), log=logs.append)
+    same = [traj(model, "a", "g", 1.0, seed=1), traj(model, "b", "g", 1.0, seed=2)]
+    tr.step(copy.deepcopy(same))
+    tr.step(copy.deepcopy(same))
+    assert len(logs) == 2 and "zero reward spread" in logs[0]
+    with pytest.raises(DeadSignalError, match="no learning signal for 3 steps"):
+        tr.step(copy.deepcopy(same))
