@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[3]
 def test_low_effort_anneals_from_the_high_budget_down():
     cfg = load_config(ROOT / "configs/quickstart.yaml", ["effort.level=low", "effort.budget=96",
                                                          "effort.budget_start=384", "effort.anneal_steps=20"])
-    at, sched = budget_fn(cfg)
+    at, _ = budget_fn(cfg)
     assert [at("low", s) for s in (0, 10, 20, 40)] == [384, 240, 96, 96]  # 384 - 288 * min(s / 20, 1)
     assert at("high", 10) == 384  # other levels (MOPD's mixed prompts) keep their own budgets
     src = PromptSource(["general"], ["low"], at, seed=0)
