@@ -66,7 +66,8 @@ def _assert_cases(src: str, call_name: str | None, fmt: str, i: int) -> list[dic
 
 
 # files the test command reads besides the tests: pytest's hooks and config, build files of runners
-_TEST_INFRA = {"conftest.py", "pytest.ini", "tox.ini", "noxfile.py", "Makefile", "makefile", "GNUmakefile"}
+_TEST_INFRA = {"conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "noxfile.py", "Makefile", "makefile",
+               "GNUmakefile"}
 _PYTEST_SECTION = re.compile(r"^\s*\[\s*(pytest|tool:pytest|tool\.pytest[^\]]*)\s*\]", re.M)
 
 
