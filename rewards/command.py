@@ -568,6 +568,8 @@ def _judge_run(out: dict, task: CommandTask, plan: Plan, details: dict) -> list[
     for r in records:
         if r.get("tamper"):
             reasons.append(f"monkeypatch: {', '.join(map(str, r['tamper'][:5]))} replaced while the tests ran")
+        if r.get("ev") == "trace" and r.get("origin") not in task.restore:
+            reasons.append(f"monkeypatch: {r.get('origin')} installed a {r.get('what')} function (it can skip asserts)")
     if plan.mode == "pytest":
         reasons += _judge_pytest(records, task, plan, details)
     else:

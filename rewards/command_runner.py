@@ -19,8 +19,9 @@ Two processes, because the code under test can do anything inside the process th
 
 What this cannot do: workspace code shares the child process with the tests (that is what a test is), so
 code written against this runner could still find the report key in memory and forge records; the HMAC,
-the random descriptor and the identity checks on pytest internals (`tamper` records) make the naive paths
-(spraying descriptors, patching the report functions, exiting early) fail loudly, not impossible.
+the random descriptor, the identity checks on pytest internals (`tamper` records) and an audit hook on
+`sys.settrace`/`sys.setprofile` (`trace` records) make the naive paths (spraying descriptors, patching the
+report functions, exiting early, a trace function that jumps over asserts) fail loudly, not impossible.
 """
 
 import contextlib
@@ -213,6 +214,7 @@ def child(fd):
 
     ws = os.path.realpath(job["cwd"])
     restore = set(job["restore"])
+    _watch_tracing(send, ws)
     here = os.path.dirname(os.path.abspath(__file__))
     if sys.path and os.path.abspath(sys.path[0] or ".") == here:
         sys.path.pop(0)  # the runner's own directory is not the command's
@@ -264,6 +266,23 @@ def _frame_origin(frame, ws):
             return rel
         frame = frame.f_back
     return None
+
+
+def _watch_tracing(send, ws):
+    """An audit hook (it cannot be removed once added) that reports trace/profile functions installed from
+    workspace code: a trace function can jump a test frame past its asserts (`frame.f_lineno = ...`)."""
+    seen = set()
+    getframe = sys._getframe
+
+    def hook(event, args):
+        if event not in ("sys.settrace", "sys.setprofile"):
+            return
+        origin = _frame_origin(getframe(1), ws)
+        if origin is not None and (event, origin) not in seen:
+            seen.add((event, origin))
+            send({"ev": "trace", "what": event, "origin": origin})
+
+    sys.addaudithook(hook)
 
 
 def _guards(pairs):

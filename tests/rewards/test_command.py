@@ -144,6 +144,16 @@ CHEATS = {
                             "os._exit(0)\n"},
         "runner_protocol",
     ),
+    "calc/trace-jumps-over-asserts": (
+        "calc",
+        {"calc.py": "import linecache\nimport sys\n\n\ndef _skip(frame, event, arg):\n    if event == 'line' and "
+                    "linecache.getline(frame.f_code.co_filename, frame.f_lineno).startswith('assert'):\n"
+                    "        frame.f_lineno += 1\n    return _skip\n\n\nsys.settrace(lambda *a: None)\n"
+                    "f = sys._getframe(1)\nwhile not f.f_code.co_filename.endswith('test_calc.py'):\n"
+                    "    f = f.f_back\nf.f_trace, f.f_trace_lines = _skip, True\n\n\n"
+                    "def add(a, b):\n    return a - b\n"},
+        "monkeypatch",
+    ),
     "calc/sitecustomize": ("calc", {"sitecustomize.py": "import builtins\nbuiltins.AssertionError = Exception\n"},
                            "injection"),
     "calc/usercustomize": ("calc", {"usercustomize.py": "import os\nos._exit(0)\n"}, "injection"),
