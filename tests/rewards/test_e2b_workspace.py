@@ -6,9 +6,11 @@ import os
 
 import pytest
 
+from envs.tasks.loaders import EXAMPLES, load
 from rewards import SimpleTrajectory, get_grader
 from rewards.workspace import E2BConfig, E2BSandboxes, E2BWorkspace, Limits, tree_hash
 from tests.rewards.code_fixtures import HONEST, roman_task, workspace_files
+from tests.rewards.test_command import CALC_FIX, STATS_FIX
 
 
 @pytest.fixture(scope="module")
@@ -99,3 +101,35 @@ def test_webdev_grader_over_the_sandbox_server(server, name, code):
         assert g.passed and g.score == 1.0, g.reasons
     else:
         assert g.score == 0.0 and code in g.reason_codes(), g.reasons
+
+
+
+@pytest.mark.parametrize(
+    ("name", "edits", "code"),
+    [
+        ("stats", {"stats/core.py": STATS_FIX}, None),
+        ("calc", {"calc.py": CALC_FIX}, None),
+        ("calc", {"test_calc.py": "print('passed')\n"}, "tests_modified"),
+        ("calc", {"calc.py": "import sys\nsys.exit(0)\n"}, "early_exit"),
+        ("calc", {"calc.py": "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n"}, "runner_killed"),
+        ("stats", {"stats/core.py": STATS_FIX, "conftest.py": "def pytest_collection_modifyitems(items):\n"
+                   "    items.clear()\n"}, "injection"),
+        ("stats", {"stats/core.py": "import pytest\npytest.skip('later', allow_module_level=True)\n"}, "skip_attempt"),
+    ],
+    ids=["stats-honest", "calc-honest", "edit-test-file", "sys-exit-0", "kill-runner", "conftest", "module-skip"],
+)
+def test_command_grader_over_the_sandbox_server(server, name, edits, code):
+    """The SWE examples (through the loader): the pristine tests are put back as the sandbox's root, read-only to
+    the submission; the runner and the tests run as the sandbox user."""
+    calc, stats = load(EXAMPLES / "swe.jsonl", "swe")
+    task = {"calc": calc, "stats": stats}[name]
+    ws = _sandbox(server, {**task.files, **edits})
+    before = tree_hash(ws)
+    g = get_grader("command", sandboxes=E2BSandboxes(server)).grade(
+        task.grading, SimpleTrajectory(sandbox_id=ws.sbx.sandbox_id)
+    )
+    assert tree_hash(ws) == before, "grading changed the original sandbox"
+    if code is None:
+        assert g.passed and g.score == 1.0, (g.reasons, g.details.get("output_tail"))
+    else:
+        assert g.score == 0.0 and code in g.reason_codes(), (g.reasons, g.details.get("output_tail"))
