@@ -371,7 +371,7 @@ class CommandGrader:
         if out is not None:
             details["wall_s"] = out.get("wall_s")
             details["exit"] = out.get("child_exit")
-            reasons += _judge_run(out, task, plan, details)
+            reasons += _judge_run(out, task, plan, details, oom=res.oom_killed)
         if reasons:
             return Grade(0.0, False, _dedupe(reasons), details)
         return Grade(1.0, True, [], details)
@@ -548,7 +548,7 @@ def _result_line(res, nonce: str) -> tuple[dict | None, list[str]]:
     return mine[-1], reasons
 
 
-def _judge_run(out: dict, task: CommandTask, plan: Plan, details: dict) -> list[str]:
+def _judge_run(out: dict, task: CommandTask, plan: Plan, details: dict, *, oom: bool = False) -> list[str]:
     reasons = []
     if out.get("timed_out"):
         return [f"timeout: the command exceeded {task.timeout_s}s"]
@@ -566,6 +566,8 @@ def _judge_run(out: dict, task: CommandTask, plan: Plan, details: dict) -> list[
     records = [r for r in out.get("records", []) if isinstance(r, dict)]
     end = [r for r in records if r.get("ev") == "end"]
     for r in records:
+        if r.get("ev") == "skip" and r.get("origin") and r["origin"] not in task.restore:
+            reasons.append(f"skip_attempt: {r['origin']} raised SkipTest ({r.get('reason', '')[:80]})")
         if r.get("tamper"):
             reasons.append(f"monkeypatch: {', '.join(map(str, r['tamper'][:5]))} replaced while the tests ran")
         if r.get("ev") == "trace" and r.get("origin") not in task.restore:
@@ -574,7 +576,9 @@ def _judge_run(out: dict, task: CommandTask, plan: Plan, details: dict) -> list[
         reasons += _judge_pytest(records, task, plan, details)
     else:
         reasons += _judge_python(records, task, details)
-    if not end:
+    if not end and oom and code == -9:
+        reasons.append(f"out_of_memory: the test process exceeded {task.memory_mb} MiB and was killed")
+    elif not end:
         if isinstance(code, int) and code < 0:
             how = f"killed by signal {-code}"
         else:
@@ -588,9 +592,6 @@ def _judge_run(out: dict, task: CommandTask, plan: Plan, details: dict) -> list[
 
 def _judge_python(records: list[dict], task: CommandTask, details: dict) -> list[str]:
     reasons = []
-    for r in records:
-        if r.get("ev") == "skip" and r.get("origin") and r["origin"] not in task.restore:
-            reasons.append(f"skip_attempt: {r['origin']} raised SkipTest ({r.get('reason', '')[:80]})")
     end = [r for r in records if r.get("ev") == "end"]
     if end:
         e = end[-1]

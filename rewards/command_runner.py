@@ -215,6 +215,7 @@ def child(fd):
     ws = os.path.realpath(job["cwd"])
     restore = set(job["restore"])
     _watch_tracing(send, ws)
+    _watch_skiptest(send, ws)
     here = os.path.dirname(os.path.abspath(__file__))
     if sys.path and os.path.abspath(sys.path[0] or ".") == here:
         sys.path.pop(0)  # the runner's own directory is not the command's
@@ -283,6 +284,21 @@ def _watch_tracing(send, ws):
             send({"ev": "trace", "what": event, "origin": origin})
 
     sys.addaudithook(hook)
+
+
+def _watch_skiptest(send, ws):
+    """Report where each `unittest.SkipTest` is made: unittest (and pytest's unittest support) turns one raised
+    inside a test into a skip without a traceback that would show it came from workspace code."""
+    import unittest.case
+
+    init = unittest.case.SkipTest.__init__
+    getframe = sys._getframe
+
+    def skip_init(self, *a, **k):
+        send({"ev": "skip", "origin": _frame_origin(getframe(1), ws), "reason": str(a[0])[:200] if a else ""})
+        init(self, *a, **k)
+
+    unittest.case.SkipTest.__init__ = skip_init
 
 
 def _guards(pairs):
@@ -384,17 +400,7 @@ def run_pytest(job, send, ws, restore):
 
 def run_python(job, send, ws, restore):
     import runpy
-    import unittest.case
 
-    # a SkipTest raised from workspace code other than the pristine tests is a skip the policy added
-    init = unittest.case.SkipTest.__init__
-
-    def skip_init(self, *a, **k):
-        origin = _frame_origin(sys._getframe(1), ws)
-        send({"ev": "skip", "origin": origin, "reason": str(a[0])[:200] if a else ""})
-        init(self, *a, **k)
-
-    unittest.case.SkipTest.__init__ = skip_init
     sys.argv = list(job["argv"])
     _set_path(job)
     how, code, exc, origin = "done", 0, None, None

@@ -268,18 +268,35 @@ def test_symlinked_test_file_is_never_followed(env, tasks):
     assert g.score == 0.0 and g.reason_codes() == {"symlink"}, g.reasons
 
 
+UNIT_TESTS = """import sys
+import unittest
+
+from calc import add
+
+
+class TestAdd(unittest.TestCase):
+    @unittest.skipIf(sys.platform == "win32", "posix only")
+    def test_posix(self):
+        self.assertTrue(True)
+
+    def test_add(self):
+        self.assertEqual(add(2, 3), 5)
+"""
+
+
 @needs_bwrap
 @pytest.mark.cheat
-def test_unittest_skip_from_code(env, tmp_path):
-    """`python -m unittest`: unittest itself reports the skip as success; the runner sees where it came from."""
-    rec = {"repo": "toy/calc", "problem_statement": "add is wrong", "test_cmd": "python3 -m unittest -q test_unit",
-           "files": {"calc.py": "import unittest\n\n\ndef add(a, b):\n    raise unittest.SkipTest('later')\n",
-                     "test_unit.py": "import unittest\n\nfrom calc import add\n\n\nclass T(unittest.TestCase):\n"
-                                     "    def test_add(self):\n        self.assertEqual(add(2, 3), 5)\n"}}
+@pytest.mark.parametrize("cmd", ["python3 -m unittest -q test_unit", "python3 -m pytest -q"])
+def test_unittest_skip_from_code(env, tmp_path, cmd):
+    """unittest turns a SkipTest raised inside a test into a skip (exit 0 under `-m unittest`; under pytest a skip
+    whose traceback shows only unittest, in a pristine module that declares skips itself): the runner sees where
+    the SkipTest was made."""
+    rec = {"repo": "toy/calc", "problem_statement": "add is wrong", "test_cmd": cmd,
+           "files": {"calc.py": "def add(a, b):\n    return a - b\n", "test_unit.py": UNIT_TESTS}}
     path = tmp_path / "t.jsonl"
     path.write_text(json.dumps(rec) + "\n")
     (task,) = load(path, "swe")
-    g = grade(env, task)
+    g = grade(env, task, {"calc.py": "import unittest\n\n\ndef add(a, b):\n    raise unittest.SkipTest('later')\n"})
     assert g.score == 0.0 and "skip_attempt" in g.reason_codes(), g.reasons
     g = grade(env, task, {"calc.py": CALC_FIX})
     assert g.score == 1.0, g.reasons
@@ -295,7 +312,7 @@ def test_timeout_and_memory(env, tasks):
     assert g.score == 0.0 and "timeout" in g.reason_codes(), g.reasons
     grading = {**tasks["calc"].grading, "memory_mb": 128}
     g = grade(env, tasks["calc"], {"calc.py": "_x = bytearray(1 << 30)\n" + CALC_FIX}, grading=grading)
-    assert g.score == 0.0, g.reasons
+    assert g.score == 0.0 and g.reason_codes() & {"out_of_memory", "tests_failed"}, g.reasons  # MemoryError w/o cgroup
 
 
 @needs_bwrap
