@@ -566,8 +566,8 @@ def _judge_run(out: dict, task: CommandTask, plan: Plan, details: dict, *, oom: 
     records = [r for r in out.get("records", []) if isinstance(r, dict)]
     end = [r for r in records if r.get("ev") == "end"]
     for r in records:
-        if r.get("ev") == "skip" and r.get("origin") and r["origin"] not in task.restore:
-            reasons.append(f"skip_attempt: {r['origin']} raised SkipTest ({r.get('reason', '')[:80]})")
+        if r.get("ev") == "skip" and r.get("under") and r.get("origin") not in task.restore:
+            reasons.append(f"skip_attempt: {r['origin']} raised SkipTest in {r['under']} ({r.get('reason', '')[:80]})")
         if r.get("tamper"):
             reasons.append(f"monkeypatch: {', '.join(map(str, r['tamper'][:5]))} replaced while the tests ran")
         if r.get("ev") == "trace" and r.get("origin") not in task.restore:
@@ -619,7 +619,7 @@ def _judge_pytest(records: list[dict], task: CommandTask, plan: Plan, details: d
             if why == "SystemExit" or (r.get("origin") and why == "KeyboardInterrupt"):
                 reasons.append(f"early_exit: {r.get('origin') or r.get('id')} raised {why} during collection")
             reasons.append(f"collection_error: {r.get('id') or 'session'}: {why} (from {r.get('origin') or '?'})")
-        elif ev == "collect" and r.get("outcome") == "skipped":
+        elif ev == "collect" and r.get("outcome") == "skipped" and r.get("id", "").split("::")[0] in restored:
             if not _skip_allowed(r, r.get("id", ""), restored):
                 reasons.append(f"skip_attempt: collecting {r.get('id')} was skipped from {r.get('origin')}")
         elif ev == "interrupt" and r.get("exc") == "KeyboardInterrupt":
@@ -644,7 +644,7 @@ def _judge_pytest(records: list[dict], task: CommandTask, plan: Plan, details: d
                 st = "failed"
             elif r.get("outcome") == "skipped" and st != "failed":
                 st = "skipped"
-                if not _skip_allowed(r, file, restored):
+                if file in restored and not _skip_allowed(r, file, restored):
                     how = "xfailed" if r.get("xfail") else "skipped"
                     where = r.get("origin") or "a marker the pristine tests do not declare"
                     skips[f"{how} from {where}"].append(nodeid)

@@ -213,17 +213,16 @@ def child(fd):
         raw(hmac.new(key, data, "sha256").hexdigest()[:32].encode() + b" " + data + b"\n")
 
     ws = os.path.realpath(job["cwd"])
-    restore = set(job["restore"])
     _watch_tracing(send, ws)
-    _watch_skiptest(send, ws)
+    _watch_skiptest(send, ws, set(job["restore"]))
     here = os.path.dirname(os.path.abspath(__file__))
     if sys.path and os.path.abspath(sys.path[0] or ".") == here:
         sys.path.pop(0)  # the runner's own directory is not the command's
     try:
         if job["mode"] == "pytest":
-            rc = run_pytest(job, send, ws, restore)
+            rc = run_pytest(job, send, ws)
         else:
-            rc = run_python(job, send, ws, restore)
+            rc = run_python(job, send, ws)
     except BaseException as e:  # a runner bug or an interrupt that escaped pytest
         send({"ev": "end", "how": "error", "exc": type(e).__name__, "origin": _origin(e.__traceback__, ws)})
         rc = 1
@@ -286,16 +285,23 @@ def _watch_tracing(send, ws):
     sys.addaudithook(hook)
 
 
-def _watch_skiptest(send, ws):
-    """Report where each `unittest.SkipTest` is made: unittest (and pytest's unittest support) turns one raised
-    inside a test into a skip without a traceback that would show it came from workspace code."""
+def _watch_skiptest(send, ws, restore):
+    """Report where each `unittest.SkipTest` is made (the innermost workspace file on the stack) and the innermost
+    pristine file under it: unittest (and pytest's unittest support) turns one raised inside a test into a skip
+    without a traceback that would show it came from workspace code."""
     import unittest.case
 
     init = unittest.case.SkipTest.__init__
     getframe = sys._getframe
 
     def skip_init(self, *a, **k):
-        send({"ev": "skip", "origin": _frame_origin(getframe(1), ws), "reason": str(a[0])[:200] if a else ""})
+        origin, under, f = None, None, getframe(1)
+        while f is not None and under is None:
+            rel = _rel(f.f_code.co_filename, ws)
+            origin = origin or rel
+            under = rel if rel in restore else None
+            f = f.f_back
+        send({"ev": "skip", "origin": origin, "under": under, "reason": str(a[0])[:200] if a else ""})
         init(self, *a, **k)
 
     unittest.case.SkipTest.__init__ = skip_init
@@ -310,7 +316,7 @@ def _set_path(job):
     sys.path[0:0] = job.get("path0", []) + [p for p in job.get("pythonpath", []) if p]
 
 
-def run_pytest(job, send, ws, restore):
+def run_pytest(job, send, ws):
     # pytest and its plugins are imported before the workspace is on sys.path: a planted pytest.py, pluggy.py
     # or _pytest/ cannot stand in for them
     import pytest
@@ -398,7 +404,7 @@ def run_pytest(job, send, ws, restore):
     return int(rc)
 
 
-def run_python(job, send, ws, restore):
+def run_python(job, send, ws):
     import runpy
 
     sys.argv = list(job["argv"])

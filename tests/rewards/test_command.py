@@ -86,11 +86,12 @@ def make_venv(root):
         ("calc", {"calc.py": CALC_FIX, "__pycache__/calc.cpython-311.pyc": b"stale"}, make_venv),
         ("stats", {"stats/core.py": STATS_FIX}, None),
         # its own extra test module, the caches its own runs left behind, a virtualenv
-        ("stats", {"stats/core.py": STATS_FIX, "tests/test_extra.py": "from stats import median\n\n\n"
-                   "def test_single():\n    assert median([4]) == 4\n", ".pytest_cache/v/cache/lastfailed": "{}",
+        ("stats", {"stats/core.py": STATS_FIX, "tests/test_extra.py": "import pytest\n\nfrom stats import median\n"
+                   "\n\ndef test_single():\n    assert median([4]) == 4\n\n\ndef test_later():\n"
+                   "    pytest.skip('not yet')\n", ".pytest_cache/v/cache/lastfailed": "{}",
                    "tests/__pycache__/x.pyc": b"junk"}, make_venv),
     ],
-    ids=["calc", "calc-unusual-fix-extra-files", "calc-caches-and-venv", "stats", "stats-extra-test-caches-venv"],
+    ids=["calc", "calc-unusual-fix-extra-files", "calc-caches-and-venv", "stats", "stats-own-tests-caches-venv"],
 )
 def test_honest_fix_scores_one(env, tasks, name, edits, setup):
     g = grade(env, tasks[name], edits, setup=setup)
