@@ -15,10 +15,11 @@ Order of work for one grade (each step names its reason code when it fails):
    anything else with `/bin/sh -c` (see the runner's docstring for the channels);
 5. accept only the one nonce-tagged result line (`runner_killed`, `runner_protocol`), re-read the pristine
    files (`tests_modified` when the run rewrote them), and judge the records: every test from the restored
-   files that pytest collected must pass, and every `test*` function they define must have run
-   (`tests_missing`); collection errors fail (`collection_error`); skips and xfails raised from workspace code
-   other than the pristine tests fail (`skip_attempt`); a `SystemExit` from workspace code or a test process
-   that ends before pytest/the script finished fails (`early_exit`); replaced pytest internals (`monkeypatch`).
+   files that pytest collected must pass (or be skipped by the pristine tests' own markers), and every `test*`
+   function they define must have run (`tests_missing`); collection errors fail (`collection_error`); skips and
+   xfails in pristine tests raised from other workspace code fail (`skip_attempt`); a `SystemExit` from
+   workspace code or a test process that ends before pytest/the script finished fails (`early_exit`); replaced
+   pytest internals, or a trace function installed from workspace code, fail (`monkeypatch`).
 Score is 1.0 only when the command succeeded through that channel and nothing above fired; otherwise 0.
 """
 
