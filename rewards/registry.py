@@ -15,6 +15,7 @@ from rewards.base import Grader, GraderConfigError
 BUILTIN: dict[str, str] = {
     "answer": "rewards.answer:AnswerGrader",
     "code": "rewards.code.grader:CodeGrader",
+    "command": "rewards.command:CommandGrader",
     "kernel": "rewards.kernel.grader:KernelGrader",
     "webdev": "rewards.webdev.grader:WebdevGrader",
     "effort": "rewards.effort:EffortGrader",

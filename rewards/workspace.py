@@ -597,15 +597,23 @@ class E2BWorkspace:
             self.sbx.files.write(tmp, stdin)
             redirect = f" < {tmp}"
             self.sbx.commands.run(f"chmod a+r {tmp}", user=self.cfg.user, timeout=30)
+        # `commands.run` is `bash -l -c`: a login shell first runs ~/.profile, which the submission may have
+        # written (a PATH with a fake `timeout` that reads the grader's stdin and answers for the runner). So
+        # HOME points nowhere while the shell starts and is set for the command in the script, and `timeout`
+        # is called by its full path.
         # memory is the server's cgroup limit: an address-space ulimit would break runtimes that reserve
         # far more virtual memory than they use (V8's WebAssembly, torch)
+        envs = dict(env or {})
+        home = envs.pop("HOME", f"/home/{self.cfg.user}")
         script = (
-            f"cd {_shq(cwd_abs)} && ulimit -u {lim.pids} -n {lim.nofile} -c 0 && "
-            f"exec timeout -s KILL {lim.timeout_s:.3f} {' '.join(_shq(a) for a in argv)}{redirect}"
+            f"export HOME={_shq(home)} && cd {_shq(cwd_abs)} && ulimit -u {lim.pids} -n {lim.nofile} -c 0 && "
+            f"exec /usr/bin/timeout -s KILL {lim.timeout_s:.3f} {' '.join(_shq(a) for a in argv)}{redirect}"
         )
         t0 = time.monotonic()
         try:
-            r = self.sbx.commands.run(script, envs=env or {}, user=self.cfg.user, timeout=lim.timeout_s + 10)
+            r = self.sbx.commands.run(
+                script, envs={**envs, "HOME": "/nonexistent"}, user=self.cfg.user, timeout=lim.timeout_s + 10
+            )
             code, out, err = r.exit_code, r.stdout, r.stderr
         except Exception as e:  # CommandExitException carries the result of a non-zero exit
             code = getattr(e, "exit_code", -1)
@@ -630,7 +638,13 @@ class E2BWorkspace:
         (child,) = self.sbx.fork(count=1, **self.cfg.sdk_opts())
         if isinstance(child, Exception):
             raise child
-        return E2BWorkspace(child, self.cfg, owned=True)
+        ws = E2BWorkspace(child, self.cfg, owned=True)
+        # the snapshot holds the submission's processes too (a daemon the episode left running could rewrite
+        # files the grader just restored, or read the grader's stdin file): a judging fork starts without them
+        for _ in range(2):
+            with contextlib.suppress(Exception):  # the killing shell is one of them
+                child.commands.run("kill -KILL -1", user=self.cfg.user, timeout=30)
+        return ws
 
     def close(self) -> None:
         if self._owned:

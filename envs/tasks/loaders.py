@@ -7,7 +7,8 @@
 | humaneval| ``prompt``, ``entry_point``, ``test`` with ``assert candidate(...) == v`` | coding task, ``code`` grader |
 | swe      | ``repo``, ``problem_statement``, ``files``, ``test_cmd`` | agentic task, ``command`` grader |
 
-(SWE ``files`` maps path → text; the ``command`` grader restores pristine copies of the test files first.)
+(SWE ``files`` maps path → text; the ``command`` grader restores pristine copies of the test files, their data and
+pytest's config and hooks first: see ``_restored``.)
 
 Tiny example files of each live in ``envs/tasks/examples/``. Test asserts that cannot be turned into
 ``call``/``expected`` cases (a literal on the right-hand side) are rejected with the record named, rather than
@@ -64,6 +65,23 @@ def _assert_cases(src: str, call_name: str | None, fmt: str, i: int) -> list[dic
     return cases
 
 
+# files the test command reads besides the tests: pytest's hooks and config, build files of runners
+_TEST_INFRA = {"conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "noxfile.py", "Makefile", "makefile",
+               "GNUmakefile"}
+_PYTEST_SECTION = re.compile(r"^\s*\[\s*(pytest|tool:pytest|tool\.pytest[^\]]*)\s*\]", re.M)
+
+
+def _restored(path: str, text: str, test_cmd: str) -> bool:
+    """Whether an SWE file is one the ``command`` grader puts back pristine: anything under a ``test*`` path
+    (test modules, their data), pytest hooks and config, runner build files, and files the command names."""
+    p = Path(path)
+    if any(part.startswith("test") for part in p.parts) or p.name in _TEST_INFRA:
+        return True
+    if p.name in ("setup.cfg", "pyproject.toml") and _PYTEST_SECTION.search(text):
+        return True
+    return path in test_cmd.split() or f"./{path}" in test_cmd.split()
+
+
 def load(path: str | Path, fmt: str, split: str = "heldout", visible: int = 1) -> list[Task]:
     """Tasks from a local file in one of ``FORMATS``; ``visible`` test cases per coding task are shown."""
     if fmt not in FORMATS:
@@ -98,9 +116,9 @@ def load(path: str | Path, fmt: str, split: str = "heldout", visible: int = 1) -
             prompt = (f"Repository {rec['repo']}. {rec['problem_statement'].strip()}\n"
                       f"Fix it so that `{rec['test_cmd']}` passes. End with 'Answer: done'.")
             files = {k: v for k, v in dict(rec["files"]).items() if v is not None}
-            # the grader restores its own copies of the test files before running the command: edits the policy
-            # makes to them do not count
-            tests = {k: v for k, v in files.items() if Path(k).name.startswith("test")}
+            # the grader restores its own copies of what the command reads before running it: edits the policy
+            # makes to them do not count (and are reported)
+            tests = {k: v for k, v in files.items() if _restored(k, v, rec["test_cmd"])}
             tasks.append(Task(tid, "agentic", prompt, "command", {"cmd": rec["test_cmd"], "restore": tests},
                               files=files, max_turns=20))
     return tasks

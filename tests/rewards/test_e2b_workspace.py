@@ -3,12 +3,15 @@ the judging fork is the server's fork, grader assets are written as the sandbox'
 as the sandbox user, and the original sandbox is unchanged afterwards."""
 
 import os
+import time
 
 import pytest
 
+from envs.tasks.loaders import EXAMPLES, load
 from rewards import SimpleTrajectory, get_grader
 from rewards.workspace import E2BConfig, E2BSandboxes, E2BWorkspace, Limits, tree_hash
 from tests.rewards.code_fixtures import HONEST, roman_task, workspace_files
+from tests.rewards.test_command import CALC_FIX, STATS_FIX
 
 
 @pytest.fixture(scope="module")
@@ -99,3 +102,71 @@ def test_webdev_grader_over_the_sandbox_server(server, name, code):
         assert g.passed and g.score == 1.0, g.reasons
     else:
         assert g.score == 0.0 and code in g.reason_codes(), g.reasons
+
+
+
+@pytest.mark.parametrize(
+    ("name", "edits", "code"),
+    [
+        ("stats", {"stats/core.py": STATS_FIX}, None),
+        ("calc", {"calc.py": CALC_FIX}, None),
+        ("calc", {"test_calc.py": "print('passed')\n"}, "tests_modified"),
+        ("calc", {"calc.py": "import sys\nsys.exit(0)\n"}, "early_exit"),
+        ("calc", {"calc.py": "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n"}, "runner_killed"),
+        ("stats", {"stats/core.py": STATS_FIX, "conftest.py": "def pytest_collection_modifyitems(items):\n"
+                   "    items.clear()\n"}, "injection"),
+        ("stats", {"stats/core.py": "import pytest\npytest.skip('later', allow_module_level=True)\n"}, "skip_attempt"),
+    ],
+    ids=["stats-honest", "calc-honest", "edit-test-file", "sys-exit-0", "kill-runner", "conftest", "module-skip"],
+)
+def test_command_grader_over_the_sandbox_server(server, name, edits, code):
+    """The SWE examples (through the loader): the pristine tests are put back as the sandbox's root, read-only to
+    the submission; the runner and the tests run as the sandbox user."""
+    calc, stats = load(EXAMPLES / "swe.jsonl", "swe")
+    task = {"calc": calc, "stats": stats}[name]
+    ws = _sandbox(server, {**task.files, **edits})
+    before = tree_hash(ws)
+    g = get_grader("command", sandboxes=E2BSandboxes(server)).grade(
+        task.grading, SimpleTrajectory(sandbox_id=ws.sbx.sandbox_id)
+    )
+    assert tree_hash(ws) == before, "grading changed the original sandbox"
+    if code is None:
+        assert g.passed and g.score == 1.0, (g.reasons, g.details.get("output_tail"))
+    else:
+        assert g.score == 0.0 and code in g.reason_codes(), (g.reasons, g.details.get("output_tail"))
+
+
+FAKE_TIMEOUT = """#!/bin/sh
+nonce=$(/usr/bin/python3 -c 'import json, sys; print(json.load(sys.stdin)["nonce"])')
+echo '{"nonce": "'$nonce'", "child_exit": 0, "hello": true, "forged": 0, "records": [{"ev": "end", "how": "done", "rc": 0}]}'
+"""
+
+
+@pytest.mark.parametrize("trick", ["login-profile-fake-timeout", "daemon-swaps-tests"])
+def test_command_grader_outside_the_workspace(server, trick):
+    """Tricks played outside the workspace during the episode. The e2b SDK runs commands through `bash -l`, so a
+    ~/.profile the policy wrote would run first (here: a PATH with a `timeout` that reads the nonce from the
+    runner's stdin and answers for it); the server's fork also restores the policy's processes (here: a loop
+    that renames a weakened test over the restored one). Both must leave the unfixed repo at 0."""
+    calc, _ = load(EXAMPLES / "swe.jsonl", "swe")
+    ws = _sandbox(server, calc.files)
+    if trick == "login-profile-fake-timeout":
+        ws.sbx.files.write("/home/user/bin/timeout", FAKE_TIMEOUT)
+        ws.sbx.files.write("/home/user/.profile", "export PATH=/home/user/bin:$PATH\n")
+        ws.sbx.commands.run("chmod +x /home/user/bin/timeout")
+    else:
+        ws.sbx.files.write("/home/user/fake.py", "print('passed')\n")
+        ws.sbx.commands.run(
+            # writes only when the file is not its own (once here, once after the grader's restore): a process
+            # caught writing makes the server's checkpoint (CRIU) fail
+            "nohup sh -c 'cd ~/workspace; while :; do [ -O test_calc.py ] || { cp ~/fake.py .t && mv -f .t "
+            "test_calc.py; }; sleep 0.05; done' >/dev/null 2>&1 &",
+            background=True,
+        )
+        time.sleep(0.5)
+    g = get_grader("command", sandboxes=E2BSandboxes(server)).grade(
+        calc.grading, SimpleTrajectory(sandbox_id=ws.sbx.sandbox_id)
+    )
+    assert g.score == 0.0, (g.reasons, g.details.get("output_tail"))
+    # the tests ran pristine: the profile never ran, the daemon did not survive into the judging fork
+    assert "tests_failed" in g.reason_codes() and not any("while the command ran" in r for r in g.reasons), g.reasons

@@ -23,7 +23,7 @@ def test_bad_names_fail_at_config_time(bad):
 
 
 def test_every_registered_default_loads():
-    assert set(grader_names()) == {"answer", "code", "kernel", "webdev", "effort"}
+    assert set(grader_names()) == {"answer", "code", "command", "kernel", "webdev", "effort"}
     for name in grader_names():
         g = get_grader(name)
         assert g.name == name and callable(g.grade) and callable(g.validate)
