@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from rlk3.config import STAGES, ConfigError, load_config, to_yaml
 
@@ -20,6 +21,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.lam=0.7")
     ap.add_argument("--print-config", action="store_true", help="print the composed config and exit")
     args = ap.parse_args(argv)
+    if args.stage == "eval":  # python -m rlk3 eval <manifest.json> [n=40]
+        from rlk3 import pipeline
+
+        n = next((int(o.split("=", 1)[1]) for o in args.overrides if o.startswith("n=")), None)
+        if not Path(args.config).is_file():
+            print(f"eval: no manifest at {args.config} (the demo and teachers stages write one)", file=sys.stderr)
+            return 2
+        pipeline.run_eval(args.config, n)
+        return 0
     try:
         cfg = load_config(args.config, [*args.overrides, f"run.stage={args.stage}"])
     except ConfigError as e:

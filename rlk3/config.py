@@ -17,7 +17,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
-STAGES = ("sft", "rl", "mopd", "eval")
+STAGES = ("sft", "rl", "teachers", "mopd", "eval", "demo")
 DOMAINS = ("general", "agentic", "coding")
 EFFORTS = ("low", "medium", "high")
 
@@ -112,6 +112,8 @@ class MOPDConfig:
     teachers: dict[str, str] = field(default_factory=dict)  # "domain/effort" -> checkpoint dir
     clip: float = 5.0
     alpha: float = 0.0  # weight of the outcome reward next to the distillation reward
+    iterations: int = 20  # the demo stage's MOPD iterations (run.iterations for a plain mopd run)
+    max_resident: int = 9  # teachers kept loaded at once (fewer: loaded and offloaded on demand)
 
 
 @dataclass
@@ -205,6 +207,30 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     validate(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg  # type: ignore[return-value]
+
+
+def derive(cfg: Config, changes: dict[str, Any]) -> Config:
+    """A validated copy of ``cfg`` with dotted-key ``changes`` (how the teachers and demo stages make each run's
+    config from the one the user gave)."""
+    new = OmegaConf.create(OmegaConf.to_container(cfg))
+    base = OmegaConf.structured(Config)
+    OmegaConf.set_struct(base, True)
+    for key in FREE_FORM:
+        OmegaConf.set_struct(OmegaConf.select(base, key), False)
+    new = _merge(base, new, "derived config")
+    for key, value in changes.items():
+        new = _merge(new, OmegaConf.from_dotlist([f"{key}={value}"]) if not isinstance(value, (list, dict))
+                     else OmegaConf.create(_nest(key, value)), f"derived config ({key})")
+    validate(new)
+    OmegaConf.set_readonly(new, True)
+    return new  # type: ignore[return-value]
+
+
+def _nest(key: str, value: Any) -> dict:
+    out: Any = value
+    for part in reversed(key.split(".")):
+        out = {part: out}
+    return out
 
 
 def to_yaml(cfg: Config) -> str:

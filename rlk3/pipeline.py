@@ -1,8 +1,32 @@
-"""SFT → nine teachers → MOPD, as stages over one config tree. Each stage reads as the steps it takes."""
+"""SFT → nine teachers → MOPD → eval, as stages over one config tree. Each stage reads as the steps it takes.
+
+    python -m rlk3 sft      configs/sft-tiny.yaml          the base checkpoint (rlk3/train/sft.py)
+    python -m rlk3 rl       configs/quickstart.yaml        one RL run (rlk3/cluster/driver.py)
+    python -m rlk3 teachers configs/teachers.yaml          nine RL runs: per domain high, then medium and low from it
+    python -m rlk3 mopd     configs/mopd.yaml              distil the teachers into one student
+    python -m rlk3 eval     runs/demo/manifest.json        every model on every (domain, effort) slice + report
+    python -m rlk3 demo     configs/demo.yaml              all of the above, on the embedded default
+"""
 
 from __future__ import annotations
 
+import json
+import time
+from pathlib import Path
+
 import torch
+
+from rlk3.config import DOMAINS, EFFORTS, derive
+from rlk3.rollout.demos import DEFAULT_BUDGETS
+
+# the effort levels' budgets (configs/effort/*.yaml): high trains at the maximum; medium and low anneal down from it
+EFFORT_SETTINGS = {
+    "high": {"effort.level": "high", "effort.budget": DEFAULT_BUDGETS["high"], "effort.budget_start": 0},
+    "medium": {"effort.level": "medium", "effort.budget": DEFAULT_BUDGETS["medium"],
+               "effort.budget_start": DEFAULT_BUDGETS["high"]},
+    "low": {"effort.level": "low", "effort.budget": DEFAULT_BUDGETS["low"],
+            "effort.budget_start": DEFAULT_BUDGETS["high"]},
+}
 
 
 def _setup(cfg) -> None:
@@ -13,14 +37,105 @@ def _setup(cfg) -> None:
 
 def run_stage(cfg) -> int:
     _setup(cfg)
-    if cfg.run.stage == "sft":
+    stage = cfg.run.stage
+    if stage == "sft":
         from rlk3.train.sft import run_sft
 
         run_sft(cfg)
-        return 0
-    if cfg.run.stage == "rl":
+    elif stage in ("rl", "mopd"):
         from rlk3.cluster.driver import run_rl
 
         run_rl(cfg)
-        return 0
-    raise NotImplementedError(f"stage {cfg.run.stage!r} is not implemented yet")
+    elif stage == "teachers":
+        run_teachers(cfg)
+    elif stage == "demo":
+        run_demo(cfg)
+    else:
+        raise ValueError(f"stage {stage!r}: the eval stage takes a manifest (python -m rlk3 eval <manifest.json>)")
+    return 0
+
+
+def run_teachers(cfg, sft: str | None = None, log=print) -> dict[str, str]:
+    """Nine RL runs. Per domain: high from the SFT checkpoint at the maximum budget; medium and low continue from
+    the high teacher while their budgets anneal down (the write-up's recipe). Returns "domain/effort" → checkpoint."""
+    from rlk3.cluster.driver import run_rl
+
+    sft = sft or cfg.model.init_from
+    root = Path(cfg.run.output_dir)
+    out: dict[str, str] = {}
+    for domain in cfg.tasks.domains:
+        for effort in ("high", "medium", "low"):
+            start = sft if effort == "high" else out[f"{domain}/high"]
+            name = f"teacher-{domain}-{effort}"
+            sub = derive(cfg, {"run.stage": "rl", "run.name": name, "run.output_dir": str(root / name),
+                               "tasks.domains": [domain], "model.init_from": start,
+                               "effort.anneal_steps": cfg.effort.anneal_steps, **EFFORT_SETTINGS[effort]})
+            t0 = time.time()
+            log(f"teachers: {name} from {start}")
+            final = run_rl(sub, log=log)
+            out[f"{domain}/{effort}"] = str(final)
+            log(f"teachers: {name} done in {time.time() - t0:.0f}s -> {final}")
+    (root / "teachers.json").write_text(json.dumps(out, indent=2))
+    return out
+
+
+def run_demo(cfg, log=print) -> Path:
+    """SFT → nine teachers → MOPD → eval + report on the embedded default."""
+    from rlk3.cluster.driver import run_rl
+    from rlk3.train.sft import run_sft
+
+    root = Path(cfg.run.output_dir)
+    t0 = time.time()
+    sft = Path(cfg.model.init_from) if cfg.model.init_from else None
+    if sft is None or not (sft / "config.json").exists():
+        sft = run_sft(derive(cfg, {"run.stage": "sft", "run.output_dir": str(root / "sft"),
+                                   "tasks.domains": list(DOMAINS)}), log=log)
+    log(f"demo: SFT ready ({time.time() - t0:.0f}s)")
+    teachers = run_teachers(derive(cfg, {"run.stage": "teachers", "run.output_dir": str(root)}), str(sft), log=log)
+    log(f"demo: nine teachers ready ({time.time() - t0:.0f}s)")
+    student = run_rl(derive(cfg, {"run.stage": "mopd", "run.name": "student", "run.output_dir": str(root / "student"),
+                                  "tasks.domains": list(DOMAINS), "model.init_from": str(sft),
+                                  "mopd.teachers": teachers, "effort.budget_start": 0,
+                                  "run.iterations": cfg.mopd.iterations}), log=log)
+    log(f"demo: student ready ({time.time() - t0:.0f}s)")
+    manifest = root / "manifest.json"
+    manifest.write_text(json.dumps({"sft": str(sft), "teachers": teachers, "student": str(student),
+                                    "runs": [str(Path(p).parent) for p in teachers.values()]
+                                    + [str(Path(student).parent)], "heldout": cfg.tasks.heldout_size}, indent=2))
+    report = run_eval(manifest, log=log)
+    log(f"demo: done in {time.time() - t0:.0f}s; report: {report}")
+    return report
+
+
+def run_eval(manifest_path: str | Path, n: int | None = None, log=print) -> Path:
+    """Evaluate the SFT base, every teacher and the student on every (domain, effort) slice of the held-out split;
+    write eval.json and the report (report.md + plots) beside the manifest."""
+    from rlk3.report import slice_table, write_report
+    from rlk3.rollout.evaluate import evaluate_policy, load_policy
+
+    manifest_path = Path(manifest_path)
+    m = json.loads(manifest_path.read_text())
+    n = n or int(m.get("heldout", 40))
+    slices = [(d, e, DEFAULT_BUDGETS[e]) for d in DOMAINS for e in EFFORTS]
+    models = [("sft", "sft", None, None, m["sft"])]
+    for key, path in sorted(m.get("teachers", {}).items()):
+        d, e = key.split("/")
+        models.append((f"teacher-{d}-{e}", "teacher", d, e, path))
+    if m.get("student"):
+        models.append(("student", "student", None, None, m["student"]))
+    out = {"models": []}
+    for name, kind, d, e, path in models:
+        t0 = time.time()
+        policy, tok = load_policy(path)
+        # a teacher is evaluated on its own domain (all efforts: the ordering of tokens by effort is read there)
+        mine = [s for s in slices if d is None or s[0] == d]
+        res, _ = evaluate_policy(policy, tok, mine, n)
+        entry = {"name": name, "kind": kind, "slices": [r.to_dict() for r in res]}
+        if d is not None:
+            entry |= {"domain": d, "effort": e}
+        out["models"].append(entry)
+        log(f"eval: {name} on {len(mine)} slices x {n} in {time.time() - t0:.0f}s")
+    eval_path = manifest_path.parent / "eval.json"
+    eval_path.write_text(json.dumps(out, indent=2))
+    log(slice_table(out))
+    return write_report(eval_path, [Path(r) for r in m.get("runs", [])], manifest_path.parent / "report")

@@ -38,6 +38,8 @@ def run_rl(cfg, log=print) -> Path:
         t0 = time.perf_counter()
         trajs, stats = cluster.rollout(it, rollout_state)  # schedule (+ grade: episodes are graded as they end)
         rollout_state = None
+        if cfg.run.stage == "mopd" and trajs:
+            trajs, stats["distil"] = cluster.distil(trajs)  # per-token teacher rewards, routed by (domain, effort)
         t1 = time.perf_counter()
         train_metrics = cluster.train(trajs) if trajs else {}  # train
         t2 = time.perf_counter()
@@ -75,6 +77,7 @@ def summarize(trajs: list[Trajectory], stats: dict, train: dict, it: int, budget
         "staleness/max": max((t.policy_versions[-1] - min(t.policy_versions) for t in trajs if t.policy_versions),
                              default=0),
         **{f"rollout/{k}": v for k, v in stats.items() if isinstance(v, int | float)},
+        **stats.get("distil", {}),
         **train, **extra,
     }
 
@@ -99,16 +102,27 @@ class Cluster:
             ray.init(address=cfg.cluster.ray_address, include_dashboard=False, log_to_driver=True,
                      runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}})
         res = {"CPU": 1} | ({"GPU": 1} if cfg.cluster.num_gpus else {})
-        bundles = [res] if cfg.cluster.colocate else [res, res]
+        mopd = cfg.run.stage == "mopd"
+        bundles = [res] if cfg.cluster.colocate else [res] * (3 if mopd else 2)
         self.pg = placement_group(bundles, strategy="PACK")
         ray.get(self.pg.ready())
-        share = 0.5 if cfg.cluster.colocate else 1.0
+        # colocated: the rollout and train workers (and MOPD's teacher pool) split the bundle's resources
+        n_actors = 2 + (cfg.run.stage == "mopd")
+        share = 1.0 / n_actors if cfg.cluster.colocate else 1.0
 
         def opts(i):
             return dict(num_cpus=share, num_gpus=share if cfg.cluster.num_gpus else 0,
                         scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, i))
 
         self._rollout_opts = opts(0)
+        self.teachers = None
+        if cfg.run.stage == "mopd":  # refused here, before any rollout, if a teacher's tokenizer differs
+            from rlk3.cluster.teachers import TeacherPool
+
+            self.teachers = ray.remote(TeacherPool).options(**opts(0 if cfg.cluster.colocate else 2)).remote(
+                dict(cfg.mopd.teachers), cfg.model.init_from, temperature=cfg.rollout.temperature or 1.0,
+                max_resident=cfg.mopd.max_resident, threads=cfg.cluster.cpu_threads or 1)
+            ray.get(self.teachers.__ray_ready__.remote())
         self.trainer = ray.remote(TrainWorker).options(**opts(0 if cfg.cluster.colocate else 1)).remote(cfg)
         self.worker = self._new_rollout()
         # on a shared GPU the engine's pool makes room for training; on CPU memory is not the constraint and a
@@ -148,6 +162,11 @@ class Cluster:
                     ray.get(self.worker.update_weights.remote(self.trainer.weights.remote(), self.version))
         raise AssertionError("unreachable")
 
+    def distil(self, trajs: list[Trajectory]) -> tuple[list[Trajectory], dict]:
+        dicts, metrics = ray.get(self.teachers.score.remote([t.to_dict() for t in trajs], self.cfg.mopd.clip,
+                                                            self.cfg.mopd.alpha))
+        return [Trajectory.from_dict(d) for d in dicts], metrics
+
     def train(self, trajs: list[Trajectory]) -> dict:
         return ray.get(self.trainer.step.remote([t.to_dict() for t in trajs]))
 
@@ -160,8 +179,13 @@ class Cluster:
         return self.version
 
     def evaluate(self, budget: int) -> dict:
+        from rlk3.rollout.demos import DEFAULT_BUDGETS
+
         cfg = self.cfg
-        slices = [(d, cfg.effort.level, budget) for d in cfg.tasks.domains]
+        if cfg.run.stage == "mopd":
+            slices = [(d, e, DEFAULT_BUDGETS[e]) for d in cfg.tasks.domains for e in cfg.rollout.efforts]
+        else:
+            slices = [(d, cfg.effort.level, budget) for d in cfg.tasks.domains]
         res = ray.get(self.worker.evaluate.remote(slices, cfg.tasks.heldout_size))
         out = {}
         for r in res:
