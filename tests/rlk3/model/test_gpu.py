@@ -94,20 +94,24 @@ def test_k3_small_forward_backward_on_gpu(monkeypatch):
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert len(grads) > 0.9 * len(list(model.parameters()))
     assert all(torch.isfinite(g).all() for g in grads)
-    # the same model on the torch reference path gives the same logits (bf16 autocast tolerance) when it routes
-    # every token to the same experts. Routing is pinned because top-4-of-16 routing in a random-init model sits
-    # near ties: the bf16-level difference between two correct KDA paths (each ~5e-3 from an fp64 reference on
-    # the first layer's inputs) flips expert choices, and the logits then part far beyond rounding (0.78 relative
-    # measured on the H200 with routing free)
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+    # the same model on the torch reference path gives the same logits, up to bf16 rounding, when it routes every
+    # token to the same experts. Routing is pinned to the reference run's choices because top-4-of-16 routing in a
+    # random-init model sits near ties: bf16-level differences between two correct KDA paths flip expert choices
+    # (5% of tokens at the first MoE layer, 90% at the last) and the logits part by 0.78 relative. Even pinned, this
+    # random-init model amplifies rounding: the torch path alone moves 7e-2 between bf16 autocast and fp32 (H200),
+    # so the bound is that noise floor, measured here, or 2e-2 if the floor is lower
+    with torch.no_grad():
         monkeypatch.setenv("RLK3_KDA_BACKEND", "torch")
-        with pinned_routing() as routes:
+        with pinned_routing() as routes, torch.autocast("cuda", dtype=torch.bfloat16):
             ref_logits = model(x[:, :256], use_cache=False).logits.float()
-        monkeypatch.delenv("RLK3_KDA_BACKEND")
         with pinned_routing(routes):
+            ref_fp32_logits = model(x[:, :256], use_cache=False).logits.float()
+        monkeypatch.delenv("RLK3_KDA_BACKEND")
+        with pinned_routing(routes), torch.autocast("cuda", dtype=torch.bfloat16):
             fla_logits = model(x[:, :256], use_cache=False).logits.float()
     assert len(routes) == model.config.num_hidden_layers - model.config.first_k_dense_replace  # one per MoE layer
-    assert rel_err(fla_logits, ref_logits) <= 2e-2
+    floor = rel_err(ref_logits, ref_fp32_logits)
+    assert rel_err(fla_logits, ref_logits) <= max(2e-2, floor), (rel_err(fla_logits, ref_logits), floor)
 
 
 @contextlib.contextmanager
