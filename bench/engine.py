@@ -77,24 +77,55 @@ def decode_throughput(model, device, batch_sizes, prompt_len, new_tokens, reps, 
     for bs in batch_sizes:
         batch = mixed_prompts(bs, *mixed, vocab, 2) if mixed else prompts(bs, prompt_len, vocab, 2)
         best_e = best_h = (float("inf"), float("inf"))  # (wall, process CPU) seconds, each the best of reps
-        same = True
+        same, agree = True, 1.0
         for _ in range(reps):
             te, out_e = engine_generate(engine, batch, new_tokens, device)
             th, out_h = hf_generate(model, batch, new_tokens, device)
             best_e = (min(best_e[0], te[0]), min(best_e[1], te[1]))
             best_h = (min(best_h[0], th[0]), min(best_h[1], th[1]))
             same &= out_e == out_h
+            agree = min(agree, common_prefix(out_e, out_h))
         n = bs * new_tokens
         row = dict(batch=bs, prompt_len=f"{mixed[0]}-{mixed[1]}" if mixed else prompt_len, new_tokens=new_tokens,
                    engine_tok_s=n / best_e[0], hf_tok_s=n / best_h[0], speedup=best_h[0] / best_e[0],
                    engine_tok_cpu_s=n / best_e[1], hf_tok_cpu_s=n / best_h[1], speedup_cpu=best_h[1] / best_e[1],
-                   token_identical=same)
+                   token_identical=same, common_prefix=agree, engine_ms_per_step=1e3 * best_e[0] / new_tokens)
         if device.type == "cuda":
+            row["graph_replay_ms"] = graph_replay_ms(engine, bs)
             context = sum(len(p) for p in batch) / bs + new_tokens / 2  # the mean cached length over the run
             row.update(roofline(model, engine, bs, context, device))
             row["fraction_of_roofline"] = row["engine_tok_s"] / row["roofline_tok_s"]
         rows.append(row)
     return rows
+
+
+def common_prefix(a: list[list[int]], b: list[list[int]]) -> float:
+    """Mean fraction of each sequence's tokens before the engine's and HF's outputs first differ (greedy bf16 on a
+    GPU parts after near ties; fp32 on a CPU should give 1.0)."""
+    fr = []
+    for x, y in zip(a, b):
+        k = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+        fr.append(k / max(1, len(x)))
+    return sum(fr) / max(1, len(fr))
+
+
+def graph_replay_ms(engine, batch: int) -> float | None:
+    """GPU time of one captured decode step at this batch size (median of 20 replays, CUDA events), with every row
+    pointed at the graphs' scratch slot and page: what a step costs with no host work around it."""
+    graphs = engine._graphs
+    size = next((s for s in graphs.sizes if s >= batch), None) if graphs is not None else None
+    if size is None or size not in graphs.graphs:
+        return None
+    graphs._reset_rows(0, max(graphs.sizes))
+    times = []
+    for _ in range(23):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graphs.graphs[size].replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times[3:])[10]
 
 
 def roofline(model, engine, batch: int, context: int, device) -> dict:
@@ -197,13 +228,17 @@ def main() -> None:
                                               mixed=(16, 256))
         print(f"\n{preset} ({dtype}, {device}, {args.threads} threads): decode, {args.new_tokens} new tokens")
         print("| batch | prompt tokens | engine tok/s | HF generate tok/s | speedup | speedup (CPU time) "
-              "| token-identical |" + (" roofline tok/s | of roofline |" if cuda else ""))
-        print("|---:|---:|---:|---:|---:|---:|:---:|" + ("---:|---:|" if cuda else ""))
+              "| token-identical (common prefix) |"
+              + (" engine ms/step | graph replay ms | roofline tok/s | of roofline |" if cuda else ""))
+        print("|---:|---:|---:|---:|---:|---:|:---:|" + ("---:|---:|---:|---:|" if cuda else ""))
         for r in result["decode"]:
             line = (f"| {r['batch']} | {r['prompt_len']} | {r['engine_tok_s']:.0f} | {r['hf_tok_s']:.0f} "
-                    f"| {r['speedup']:.2f}x | {r['speedup_cpu']:.2f}x | {r['token_identical']} |")
+                    f"| {r['speedup']:.2f}x | {r['speedup_cpu']:.2f}x | {r['token_identical']} "
+                    f"({r['common_prefix']:.2f}) |")
             if cuda:
-                line += f" {r['roofline_tok_s']:.0f} | {r['fraction_of_roofline']:.2f} |"
+                replay = f"{r['graph_replay_ms']:.2f}" if r["graph_replay_ms"] is not None else "-"
+                line += (f" {r['engine_ms_per_step']:.2f} | {replay} | {r['roofline_tok_s']:.0f} "
+                         f"| {r['fraction_of_roofline']:.2f} |")
             print(line)
 
     if "multi-turn" not in args.skip:

@@ -10,7 +10,9 @@
 Graders judge in a *fork* of the trajectory's workspace (`fork()`), so grading never touches the original.
 
 What the bwrap sandbox does not protect against: kernel exploits (it shares the host kernel), CPU time
-beyond the wall timeout (no cpu quota), and disk use beyond `RLIMIT_FSIZE` per file.
+beyond the wall timeout (no cpu quota), and disk use beyond `RLIMIT_FSIZE` per file. With `Limits(gpu=True)`
+the sandbox shares the host's GPUs through their device nodes (the driver's isolation is all there is) and, where
+no memory cgroup can be made, runs with no memory limit at all.
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ class Limits:
     max_output_bytes: int = 4 * MiB
     max_file_bytes: int = 256 * MiB  # RLIMIT_FSIZE: one file written by the command
     nofile: int = 1024
+    # bind the host's NVIDIA device nodes (/dev/nvidia*) into the sandbox, for graders that time CUDA kernels;
+    # the address-space fallback (no memory cgroup) is then skipped, since CUDA reserves far more virtual
+    # memory than any such limit allows
+    gpu: bool = False
 
 
 @dataclass
@@ -260,6 +266,15 @@ def _interpreter_binds() -> list[str]:
     return args
 
 
+def _gpu_binds(dev: str = "/dev") -> list[str]:
+    """The NVIDIA device nodes (nvidia0.., nvidiactl, nvidia-uvm, nvidia-caps/) bound read-write over the
+    sandbox's minimal /dev: `--dev` alone leaves CUDA with no device."""
+    args = []
+    for p in sorted(Path(dev).glob("nvidia*")):
+        args += ["--dev-bind", str(p), f"/dev/{p.name}"]
+    return args
+
+
 def bwrap_available() -> bool:
     return shutil.which("bwrap") is not None
 
@@ -346,6 +361,7 @@ class BwrapWorkspace:
             "/proc",
             "--dev",
             "/dev",
+            *(_gpu_binds() if lim.gpu else []),
             "--tmpfs",
             "/tmp",
             *_interpreter_binds(),
@@ -366,7 +382,7 @@ class BwrapWorkspace:
         full_env.update(env or {})
         cg = _Cgroup(lim.memory_mb * MiB, lim.pids)
         task_files = cg.task_files()
-        use_as_limit = not cg.limits_memory
+        use_as_limit = not cg.limits_memory and not lim.gpu
 
         def preexec() -> None:  # runs in the child between fork and exec
             pid = str(os.getpid())

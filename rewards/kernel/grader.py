@@ -140,7 +140,12 @@ class KernelGrader:
             res = ws.exec(
                 [self.python, "-I", "/grader/judge.py"],
                 stdin=json.dumps(cfg).encode(),
-                limits=Limits(timeout_s=300 + calls * task.call_timeout_s * 2, memory_mb=task.memory_mb, pids=128),
+                limits=Limits(
+                    timeout_s=300 + calls * task.call_timeout_s * 2,
+                    memory_mb=task.memory_mb,
+                    pids=128,
+                    gpu=task.device.startswith("cuda"),
+                ),
             )
         try:
             report = json.loads(res.stdout.decode().strip().splitlines()[-1])

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rewards.workspace import Limits, LocalSandboxes, bwrap_available, tree_hash
+from rewards.workspace import Limits, LocalSandboxes, _gpu_binds, bwrap_available, tree_hash
 
 pytestmark = pytest.mark.skipif(not bwrap_available(), reason="needs bubblewrap (scripts/setup.d/graders.sh)")
 
@@ -89,3 +89,19 @@ def test_host_side_access_refuses_planted_symlinks(ws):
         ws.read_file("tests/hostname")
     with pytest.raises(ValueError):
         ws.write_file("../escape.txt", "x")
+
+
+def test_gpu_binds_name_every_nvidia_node(tmp_path):
+    for name in ("nvidia0", "nvidiactl", "nvidia-uvm", "null"):
+        (tmp_path / name).touch()
+    (tmp_path / "nvidia-caps").mkdir()
+    args = _gpu_binds(str(tmp_path))
+    bound = [args[i + 2] for i in range(0, len(args), 3)]
+    assert args[0::3] == ["--dev-bind"] * 4
+    assert bound == ["/dev/nvidia-caps", "/dev/nvidia-uvm", "/dev/nvidia0", "/dev/nvidiactl"]
+    assert _gpu_binds(str(tmp_path / "none")) == []
+
+
+def test_gpu_is_off_by_default(ws):
+    r = ws.exec(["sh", "-c", "ls /dev"])
+    assert b"nvidia" not in r.stdout

@@ -4,6 +4,8 @@ FLA's Triton kernels against our torch reference on the same bf16 inputs, with F
 RMS): outputs and states 5e-3, dq/dk/dv 8e-3, dg/dbeta 2e-2. Then k3-small forward+backward on the GPU.
 """
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -92,12 +94,54 @@ def test_k3_small_forward_backward_on_gpu(monkeypatch):
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert len(grads) > 0.9 * len(list(model.parameters()))
     assert all(torch.isfinite(g).all() for g in grads)
-    # the same model on the torch reference path gives the same logits (bf16 autocast tolerance)
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        fla_logits = model(x[:, :256], use_cache=False).logits.float()
+    # the same model on the torch reference path gives the same logits, up to bf16 rounding, when it routes every
+    # token to the same experts. Routing is pinned to the reference run's choices because top-4-of-16 routing in a
+    # random-init model sits near ties: bf16-level differences between two correct KDA paths flip expert choices
+    # (5% of tokens at the first MoE layer, 90% at the last) and the logits part by 0.78 relative. Even pinned, this
+    # random-init model amplifies rounding: the torch path alone moves 7e-2 between bf16 autocast and fp32 (H200),
+    # so the bound is that noise floor, measured here, or 2e-2 if the floor is lower
+    with torch.no_grad():
         monkeypatch.setenv("RLK3_KDA_BACKEND", "torch")
-        ref_logits = model(x[:, :256], use_cache=False).logits.float()
-    assert rel_err(fla_logits, ref_logits) <= 2e-2
+        with pinned_routing() as routes, torch.autocast("cuda", dtype=torch.bfloat16):
+            ref_logits = model(x[:, :256], use_cache=False).logits.float()
+        with pinned_routing(routes):
+            ref_fp32_logits = model(x[:, :256], use_cache=False).logits.float()
+        monkeypatch.delenv("RLK3_KDA_BACKEND")
+        with pinned_routing(routes), torch.autocast("cuda", dtype=torch.bfloat16):
+            fla_logits = model(x[:, :256], use_cache=False).logits.float()
+    assert len(routes) == model.config.num_hidden_layers - model.config.first_k_dense_replace  # one per MoE layer
+    floor = rel_err(ref_logits, ref_fp32_logits)
+    assert rel_err(fla_logits, ref_logits) <= max(2e-2, floor), (rel_err(fla_logits, ref_logits), floor)
+
+
+@contextlib.contextmanager
+def pinned_routing(routes=None):
+    """Records each MoE router call's expert choice (``routes=None``), or replays recorded choices in call order
+    with weights from the current scores, as ``K3Router.forward`` computes them."""
+    from rlk3.model.layers.moe import K3Router
+
+    original = K3Router.forward
+    record = routes is None
+    routes = [] if record else routes
+    replay = iter(routes)
+
+    def forward(self, x):
+        idx, w = original(self, x)
+        if record:
+            routes.append(idx)
+            return idx, w
+        idx = next(replay)
+        w = torch.sigmoid(F.linear(x.float(), self.weight.float())).gather(1, idx)
+        if self.renormalize:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return idx, w * self.scaling
+
+    K3Router.forward = forward
+    try:
+        yield routes
+    finally:
+        K3Router.forward = original
+    assert record or next(replay, None) is None, "the replayed run made fewer router calls than were recorded"
 
 
 def test_grouped_gemm_experts_match_the_loop():
