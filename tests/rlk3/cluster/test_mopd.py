@@ -38,7 +38,7 @@ def dirs(general_policy, tmp_path_factory):
 
 
 def sample(model, tok, domain="general", effort="low"):
-    ids = tok.encode("Compute 2 + 3.", add_special_tokens=False)[:6] + [5, 9, 12, 40]
+    ids = [*tok.encode("Compute 2 + 3.", add_special_tokens=False)[:6], 5, 9, 12, 40]
     with torch.no_grad():
         lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
     beh = [lp[i - 1, ids[i]].item() for i in range(len(ids) - 4, len(ids))]
