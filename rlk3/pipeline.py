@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from rlk3.config import DOMAINS, EFFORTS, derive
+from rlk3.config import CONFIG_DIR, DOMAINS, EFFORTS, derive, load_config
 from rlk3.rollout.demos import DEFAULT_BUDGETS
 
 # the effort levels' budgets (configs/effort/*.yaml): high trains at the maximum; medium and low anneal down from it
@@ -87,9 +87,11 @@ def run_demo(cfg, log=print) -> Path:
     root = Path(cfg.run.output_dir)
     t0 = time.time()
     sft = Path(cfg.model.init_from) if cfg.model.init_from else None
-    if sft is None or not (sft / "config.json").exists():
-        sft = run_sft(derive(cfg, {"run.stage": "sft", "run.output_dir": str(root / "sft"),
-                                   "tasks.domains": list(DOMAINS)}), log=log)
+    if sft is None or not (sft / "config.json").exists():  # the SFT recipe as configs/sft-tiny.yaml has it
+        sft_cfg = load_config(CONFIG_DIR / "sft-tiny.yaml", [f"run.output_dir={root / 'sft'}", "run.stage=sft",
+                                                              f"cluster.cpu_threads={cfg.cluster.cpu_threads}"])
+        _setup(sft_cfg)
+        sft = run_sft(sft_cfg, log=log)
     log(f"demo: SFT ready ({time.time() - t0:.0f}s)")
     teachers = run_teachers(derive(cfg, {"run.stage": "teachers", "run.output_dir": str(root)}), str(sft), log=log)
     log(f"demo: nine teachers ready ({time.time() - t0:.0f}s)")
