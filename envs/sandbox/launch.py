@@ -23,6 +23,17 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the process that started the server dies (a killed rollout worker
+    or driver must not leave its sandbox server running and holding the state directory)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -58,6 +69,7 @@ class LocalServer:
                 cwd=ROOT,
                 stdout=logf,
                 stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent,
                 env={**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")},
             )
         deadline = time.monotonic() + self.start_timeout_s
