@@ -27,6 +27,12 @@ from .link import HDR, AgentError, AgentGone, AgentLink
 from .templates import BUILTIN, ROOT, TemplateSpec
 
 log = logging.getLogger("rlk3.sandbox")
+
+# How long a booted or restored sandbox's agent may take to connect and say hello. Generous on purpose: on a
+# loaded two-core host, fifty sandboxes booting at once (each agent starts a Python interpreter) took over 15 s;
+# a boot that has not connected in a minute is broken, not slow.
+AGENT_CONNECT_S = 60.0
+AGENT_HELLO_S = 30.0
 ENVD_VERSION = "0.6.4"  # the envd protocol level we speak (gates SDK features, see e2b/envd/versions.py)
 ID_ALPHABET = string.ascii_lowercase + string.digits
 MAX_FORK = 20
@@ -293,7 +299,7 @@ class Manager:
             return
         link = AgentLink(reader, writer, pid)
         try:
-            head = await asyncio.wait_for(reader.readexactly(HDR.size), 5)
+            head = await asyncio.wait_for(reader.readexactly(HDR.size), AGENT_HELLO_S)
             hl, bl = HDR.unpack(head)
             hello = json.loads(await reader.readexactly(hl))
             if bl:
@@ -307,7 +313,7 @@ class Manager:
         fut.set_result(link)
         await link.serve()
 
-    async def _await_agent(self, pid: int, timeout: float = 15.0) -> AgentLink:
+    async def _await_agent(self, pid: int, timeout: float = AGENT_CONNECT_S) -> AgentLink:
         fut = self.expect.get(pid)
         if fut is None:
             fut = asyncio.get_running_loop().create_future()
@@ -317,7 +323,7 @@ class Manager:
         finally:
             self.expect.pop(pid, None)
 
-    async def _wake(self, rec: SandboxRec, pid: int, timeout: float = 15.0) -> AgentLink:
+    async def _wake(self, rec: SandboxRec, pid: int, timeout: float = AGENT_CONNECT_S) -> AgentLink:
         """Wake a held agent (after a restore, or a dump that left its tree running) and wait for it to
         reconnect; wake it again while it does not, since a signal sent while runsc restore is still
         finishing (it returns before the restored tasks run) can be lost."""
