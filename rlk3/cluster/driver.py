@@ -171,11 +171,12 @@ class Cluster:
         return ray.get(self.trainer.step.remote([t.to_dict() for t in trajs]))
 
     def sync(self) -> int:
-        """Trainer weights → engine (through the object store: shared memory on one node)."""
-        self.version = ray.get(self.trainer.version.remote())
-        if self.version:
-            weights = self.trainer.weights.remote()
-            ray.get(self.worker.update_weights.remote(weights, self.version))
+        """Trainer weights → engine (through the object store: shared memory on one node), when they are newer: with
+        λ < 1 an iteration may complete no group and train nothing."""
+        version = ray.get(self.trainer.version.remote())
+        if version > self.version:
+            ray.get(self.worker.update_weights.remote(self.trainer.weights.remote(), version))
+            self.version = version
         return self.version
 
     def evaluate(self, budget: int) -> dict:

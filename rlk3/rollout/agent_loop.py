@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import hashlib
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -264,6 +265,7 @@ class AgentLoop:
         self.grading = grading
         self.cfg = config or LoopConfig()
         self._pausing = False
+        self._keep: set[str] = set()  # uids a pause leaves running
         self._active: dict[str, str] = {}  # uid -> engine request id of episodes now generating
         toks = {id(h.tokenizer) for h in harnesses.values()}
         if len(toks) > 1:
@@ -271,13 +273,19 @@ class AgentLoop:
 
     # -------------------------------------------------------------------- control
 
-    async def pause(self) -> None:
-        """Pause every running episode (see module docstring); new episodes still start until ``unpause``."""
+    async def pause(self, keep: Collection[str] = ()) -> None:
+        """Pause every running episode but those whose uid is in ``keep`` (see module docstring); any other episode
+        that starts before ``unpause`` pauses at once."""
         self._pausing = True
-        await self.front.pause(list(self._active.values()))
+        self._keep = set(keep)
+        await self.front.pause([rid for uid, rid in self._active.items() if uid not in self._keep])
 
     def unpause(self) -> None:
         self._pausing = False
+        self._keep = set()
+
+    def _paused(self, traj: Trajectory) -> bool:
+        return self._pausing and traj.uid not in self._keep
 
     # -------------------------------------------------------------------- episodes
 
@@ -345,7 +353,7 @@ class AgentLoop:
             elif st.pop("sandbox_paused", False):
                 await self.sandboxes.resume(traj.sandbox_id)
         while True:
-            if self._pausing:
+            if self._paused(traj):
                 raise _Paused
             generated = traj.num_generated
             room = cfg.max_context_tokens - len(traj.token_ids)
@@ -437,7 +445,7 @@ class AgentLoop:
         self._active[traj.uid] = rid
         t0 = time.perf_counter()
         try:
-            res = await self.front.turn(rid, new_ids, sampling, turn_ends=ends, paused=lambda: self._pausing)
+            res = await self.front.turn(rid, new_ids, sampling, turn_ends=ends, paused=lambda: self._paused(traj))
         finally:
             self._active.pop(traj.uid, None)
         traj.metrics["timing"]["generate_s"] += time.perf_counter() - t0

@@ -7,7 +7,11 @@ Each iteration:
 2. restart carried-over trajectories whose oldest token lags the current policy by more than ``max_staleness``
    versions (their cache and sandbox are dropped; the uid stays, so nothing is lost or duplicated);
 3. run every unfinished trajectory (paused ones resume where they stopped: engine cache and sandbox kept);
-4. once ``ceil(λ · launched)`` have finished, pause the rest;
+4. once ``ceil(λ · launched)`` have finished, pause the rest — except the trajectories that one more pause would
+   make stale (oldest token ``max_staleness`` versions behind): they run to their end in this iteration. Restarting
+   them instead would throw their work away, and a trajectory longer than ``max_staleness + 1`` cutoffs' worth of
+   tokens would never finish (the long tail would go untrained). So restarts only happen when the version jumps by
+   more than one between iterations (a reload) or with ``max_staleness = 0``;
 5. hand over the groups whose samples have all finished (group-normalised advantages need whole groups); the
    rest — paused samples and the early finishers of their groups — stay in the buffer for the next iteration.
 
@@ -155,6 +159,7 @@ class PartialRollouts:
         self.buffer += fresh
         run = carried + fresh
         stats.resumed, stats.fresh, stats.launched = len(carried), len(fresh), len(run)
+        due = {t.uid for t in carried if t.policy_versions and version - min(t.policy_versions) >= self.max_staleness}
         need = math.ceil(self.lam * len(run))
         done_count = 0
         pause_sent = False
@@ -173,7 +178,7 @@ class PartialRollouts:
                     progress()
                 if done_count >= need and not pause_sent and self.lam < 1.0:
                     pause_sent = True
-                    await self.loop.pause()
+                    await self.loop.pause(keep=due)
             return out
 
         self.loop.unpause()

@@ -142,3 +142,33 @@ def test_ray_job_submit_of_the_quickstart_recipe(init_dir, tmp_path):
         assert (tmp_path / "job/checkpoints/iter-000002/trainer.pt").exists()
     finally:
         subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+class _Method:  # an actor method stand-in: ``.remote(...)`` calls it in place
+    def __init__(self, fn):
+        self.remote = fn
+
+
+def test_sync_sends_only_new_weights(monkeypatch):
+    """With λ < 1 an iteration may complete no group and train nothing: the engine must not be sent the same
+    version again (it refuses a version that is not newer, which stopped the run)."""
+    from types import SimpleNamespace
+
+    from rlk3.cluster import driver
+
+    monkeypatch.setattr(driver.ray, "get", lambda x: x)
+    engine_version = 0
+
+    def update_weights(weights, version):
+        nonlocal engine_version
+        if version <= engine_version:  # what RolloutEngine.update_weights does
+            raise ValueError(f"update_weights: version must be an int greater than the current {engine_version}")
+        engine_version = version
+
+    versions = iter([0, 1, 1, 2])  # the trainer's version after iterations that trained / did not
+    cluster = driver.Cluster.__new__(driver.Cluster)
+    cluster.version = 0
+    cluster.trainer = SimpleNamespace(version=_Method(lambda: next(versions)), weights=_Method(lambda: {}))
+    cluster.worker = SimpleNamespace(update_weights=_Method(update_weights))
+    assert [cluster.sync() for _ in range(4)] == [0, 1, 1, 2]
+    assert engine_version == 2

@@ -112,6 +112,30 @@ def test_stale_trajectories_restart_with_their_uid(general_policy):
             assert max(t.policy_versions) - min(t.policy_versions) <= 1
 
 
+def test_long_trajectories_finish_instead_of_restarting(general_policy):
+    """A trajectory that one more pause would make stale runs to its end in this iteration: with a low λ the long
+    tail is still trained (not restarted over and over), and no trained token lags by more than max_staleness."""
+    model, tok = general_policy
+    pr = make(model, tok, lam=0.25, max_staleness=1)
+    engine = pr.loop.front.engine
+
+    async def go():
+        restarted, spans, trained = 0, [], []
+        for it in range(8):
+            ready, stats = await pr.iterate(it, engine.version)
+            restarted += stats.restarted_stale
+            spans += [engine.version - min(t.policy_versions) for t in ready if t.policy_versions]
+            trained += ready
+            perturb(engine, engine.version + 1)
+        await pr.loop.front.close()
+        return restarted, spans, trained
+
+    restarted, spans, trained = asyncio.run(go())
+    assert restarted == 0
+    assert max(spans) == 1, "expected trajectories that spanned a weight update"
+    assert all(t.metrics.get("restarts", 0) == 0 for t in trained + pr.buffer)
+
+
 def test_buffer_survives_a_checkpoint_round_trip(general_policy):
     model, tok = general_policy
     pr = make(model, tok, lam=0.5)

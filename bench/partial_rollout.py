@@ -1,0 +1,355 @@
+"""Partial rollouts (issue 7): wall time per iteration at equal trained tokens for λ = 1.0 vs 0.7 vs 0.5, on a
+long-tailed generation-length distribution, with the real engine, agent loop, grader and trainer on CPU.
+
+    python bench/partial_rollout.py                 # k3-tiny, 8 groups x 4 samples, until 16K trained tokens per λ
+    python bench/partial_rollout.py --quick         # a smoke run: 4 groups x 4, until 2K trained tokens per λ
+    python bench/partial_rollout.py --ray-only      # the Ray driver's overhead: run_rl vs its workers in-process
+
+Each λ runs the driver's loop in one process, from the same fitted policy and the same prompt order:
+``PartialRollouts.iterate`` (schedule, generate, grade) → ``Trainer.step`` → ``engine.update_weights(
+trainer.weights(), version)``, until the trained (generated, loss-masked) tokens reach ``--tokens``. Reported per λ:
+seconds per 1K trained tokens and per iteration (ratio against λ = 1.0 measured in the same run), the time of each
+phase, weight-sync time, and the scheduler's counts (paused, resumed, restarted for staleness). λ < 1 first runs
+``max_staleness + 2`` untimed iterations, so the carry-over buffer is in its steady state when timing starts (every
+trajectory finishes within ``max_staleness + 1`` iterations of its first token); λ = 1 carries nothing over.
+
+Quantile Balancing is off by default (``--qb-update`` turns it on): its router-bias update changes what the fitted
+k3-tiny samples even when the gradient is zero (12 zero-gradient steps changed 36 of 64 seeded samples and the mean
+length by 20%), and λ < 1 takes several small steps where λ = 1 takes one, so with it on each λ would sample from a
+different length distribution and "equal trained tokens" would compare different work.
+
+The long tail. A k3-tiny is fitted in about a minute to a few general-domain demonstrations (as in
+tests/rlk3/conftest.py) whose reply length depends on the stated effort: low answers at once (~6 tokens), medium
+folds two operations per line (~15-50), high writes every step and then re-checks it 2, 6 or 12 times (~100-700).
+Sampled at temperature 1 over a uniform effort mix, the fitted model stops on its own at lengths spread over two
+orders of magnitude (it does not follow the effort cleanly: low-effort prompts also ramble at times), capped at
+``--max-new-tokens``. The p50 / p99 of the generated tokens of every trained trajectory is measured and printed.
+
+Prints a table and writes bench/results/partial_rollout.json. Wall time and the process's CPU time are both reported:
+on a shared machine the CPU time of a single-threaded run is the steadier of the two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench._common import print_table, write_json
+from envs.tasks import general, get_tasks
+from harness import Harness
+from harness.tokenizer import default_tokenizer
+from rlk3.config import TrainConfig
+from rlk3.engine import EngineConfig, RolloutEngine
+from rlk3.model import K3Config, K3ForCausalLM
+from rlk3.rollout.agent_loop import AgentLoop, EngineFront, LoopConfig
+from rlk3.rollout.grading import Grading
+from rlk3.rollout.partial import PartialRollouts, PromptSource
+from rlk3.train.trainer import Trainer
+
+PRESET = "chat"  # the general domain's harness preset (no tools)
+# demonstrations: (effort, re-checks); high effort re-derives its sum this many more times
+DEMOS = [("low", 0)] * 4 + [("medium", 0)] * 2 + [("high", 2), ("high", 6), ("high", 12)]
+
+
+# ------------------------------------------------------------------------------------------------ the policy
+
+
+def demo_rows(tok) -> list[tuple[list[int], list[int]]]:
+    """(token ids, assistant mask) of each demonstration, through the harness the policy will run under."""
+    h = Harness(PRESET, tok)
+    rows = []
+    for task, (effort, checks) in zip(get_tasks("general", "train", len(DEMOS), start=100_000), DEMOS):
+        p = general.problem_of(task)
+        text, answer = general.reasoning(p, effort)
+        text = " ".join([text] + [f"Check: {text}"] * checks) if text else ""
+        reply = {"role": "assistant", "content": f"Answer: {answer}"} | ({"reasoning_content": text} if text else {})
+        rows.append(h.assistant_mask([*h.start(task.prompt, effort=effort), reply]))
+    return rows
+
+
+def fit_policy(tok, steps: int, seed: int) -> K3ForCausalLM:
+    """k3-tiny fitted full-batch to the demonstrations (two right-padded batches: short and long)."""
+    rows = sorted(demo_rows(tok), key=lambda r: len(r[0]))
+    batches = []
+    for part in (rows[:-3], rows[-3:]):
+        T = max(len(ids) for ids, _ in part)
+        ids = torch.zeros(len(part), T, dtype=torch.long)
+        labels = torch.full((len(part), T), -100)
+        for r, (i, m) in enumerate(part):
+            ids[r, : len(i)] = torch.tensor(i)
+            labels[r, : len(i)] = torch.tensor([t if k else -100 for t, k in zip(i, m)])
+        batches.append((ids, labels))
+    torch.manual_seed(seed)
+    model = K3ForCausalLM(K3Config.preset("k3-tiny", vocab_size=len(tok)))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        for ids, labels in batches:
+            model(ids, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model.eval()
+
+
+# ------------------------------------------------------------------------------------------------ one λ
+
+
+def pct(xs: list[int], q: float) -> float:
+    xs = sorted(xs)
+    return float(xs[min(len(xs) - 1, int(q * len(xs)))]) if xs else 0.0
+
+
+async def run_lambda(model, tok, lam: float, args) -> dict:
+    """The driver's loop without Ray: iterate → train → sync, until ``args.tokens`` trained tokens."""
+    engine = RolloutEngine(copy.deepcopy(model), EngineConfig(memory_bytes=256 << 20, max_model_len=2048))
+    loop = AgentLoop(EngineFront(engine), {"general": Harness(PRESET, tok)}, grading=Grading(),
+                     config=LoopConfig(temperature=1.0, max_turn_tokens=args.max_new_tokens,
+                                       max_context_tokens=2048, seed=args.seed))
+    source = PromptSource(["general"], ["low", "medium", "high"], lambda effort, step: None, seed=args.seed)
+    pr = PartialRollouts(loop, source, groups=args.groups, group_size=args.group_size, lam=lam,
+                         max_staleness=args.max_staleness)
+    warnings = []
+    trainer = Trainer(copy.deepcopy(model), TrainConfig(dead_signal_patience=10**9, qb_update=args.qb_update),
+                      log=warnings.append)
+    iters, lengths = [], []
+    it, warmup = 0, 0 if lam == 1.0 else args.max_staleness + 2
+    while it < warmup:  # untimed: the buffer fills up to its steady state
+        ready, _ = await pr.iterate(it, engine.version)
+        if ready:
+            trainer.step(ready)
+            engine.update_weights(trainer.weights(), trainer.version)
+        it += 1
+    trained_tokens, t_start, c_start = 0, time.perf_counter(), time.process_time()
+    load = os.getloadavg()[0]
+    buffered_start = sum(t.num_generated for t in pr.buffer)
+    while trained_tokens < args.tokens:
+        t0 = time.perf_counter()
+        before = engine.stats()
+        ready, stats = await pr.iterate(it, engine.version)  # schedule + generate + grade
+        t1 = time.perf_counter()
+        metrics = trainer.step(ready) if ready else {}  # train
+        t2 = time.perf_counter()
+        if trainer.version > engine.version:  # sync
+            engine.update_weights(trainer.weights(), trainer.version)
+        t3 = time.perf_counter()
+        after = engine.stats()
+        tokens = sum(sum(t.loss_mask) for t in ready)
+        rewards: dict[str, set] = {}
+        for t in ready:
+            rewards.setdefault(t.group_id, set()).add(t.reward)
+        trained_tokens += tokens
+        lengths += [t.num_generated for t in ready]
+        iters.append(dict(
+            iteration=it - warmup, rollout_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2, trained_seqs=len(ready),
+            trained_tokens=tokens, train_loss_tokens=metrics.get("train/tokens", 0.0), launched=stats.launched,
+            resumed=stats.resumed, paused=stats.paused, restarted_stale=stats.restarted_stale,
+            groups_trained=stats.groups_trained, groups_with_reward_spread=sum(len(v) > 1 for v in rewards.values()),
+            buffered=stats.buffered, engine_steps=after.steps - before.steps,
+            generated_tokens=after.generated_tokens - before.generated_tokens,
+            prefill_tokens=after.prefill_tokens - before.prefill_tokens,
+            staleness_max=max((max(t.policy_versions) - min(t.policy_versions) for t in ready if t.policy_versions),
+                              default=0),
+        ))
+        it += 1
+    wall, cpu = time.perf_counter() - t_start, time.process_time() - c_start
+    await loop.front.close()
+    n = len(iters)
+    spread = sum(r["groups_with_reward_spread"] for r in iters)
+    per = {k: sum(r[k] for r in iters) / n for k in ("rollout_s", "train_s", "sync_s")}
+    generated = sum(r["generated_tokens"] for r in iters)
+    return dict(
+        lam=lam, warmup_iterations=warmup, iterations=n, trained_tokens=trained_tokens, trained_seqs=len(lengths),
+        wall_s=wall,
+        s_per_iteration=wall / n, s_per_1k_tokens=1000 * wall / trained_tokens,
+        cpu_s=cpu, cpu_s_per_1k_tokens=1000 * cpu / trained_tokens,
+        rollout_s_per_iteration=per["rollout_s"], train_s_per_iteration=per["train_s"],
+        sync_s_per_iteration=per["sync_s"],
+        rollout_share=sum(r["rollout_s"] for r in iters) / wall,
+        weight_sync_ms=1000 * statistics.median(r["sync_s"] for r in iters if r["sync_s"] > 0) if any(
+            r["sync_s"] > 0 for r in iters) else 0.0,
+        gen_p50=pct(lengths, 0.5), gen_p90=pct(lengths, 0.9), gen_p99=pct(lengths, 0.99), gen_max=max(lengths),
+        gen_mean=statistics.mean(lengths),
+        # engine work: sampled tokens (restarts throw theirs away; the buffer's are not trained yet) and steps
+        engine_generated_tokens=generated, engine_steps=sum(r["engine_steps"] for r in iters),
+        prefill_tokens=sum(r["prefill_tokens"] for r in iters),
+        buffered_generated_at_start=buffered_start, buffered_at_end=len(pr.buffer),
+        buffered_generated_at_end=sum(t.num_generated for t in pr.buffer),
+        paused=sum(r["paused"] for r in iters), restarted_stale=sum(r["restarted_stale"] for r in iters),
+        groups_per_iteration=sum(r["groups_trained"] for r in iters) / n,
+        groups_with_reward_spread=spread / max(1, sum(r["groups_trained"] for r in iters)),
+        staleness_max=max(r["staleness_max"] for r in iters), dead_signal_warnings=len(warnings),
+        load_average_start=load, load_average_end=os.getloadavg()[0], per_iteration=iters,
+    )
+
+
+# ------------------------------------------------------------------------------------------------ Ray
+
+
+def ray_overhead(model, tok, args) -> dict:
+    """The Ray driver against the same loop in one process. One config (configs/quickstart.yaml, the fitted policy
+    as model.init_from, λ = ``--ray-lam``): ``--ray-iterations`` iterations of ``run_rl`` (rollout and train
+    workers as Ray actors, weights through the object store), and the same iterations of the same two worker classes
+    called in-process. The RL config states one effort level (high) and its budget (384 tokens) in every prompt, so
+    its lengths differ from the table above; the two rows of this comparison share them."""
+    import json
+    import tempfile
+
+    import ray
+
+    from rlk3.cluster.driver import run_rl
+    from rlk3.cluster.workers import RolloutWorker, TrainWorker
+    from rlk3.config import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory(prefix="rlk3-bench-partial-") as tmp:
+        init = Path(tmp) / "init"
+        model.save_pretrained(str(init))
+        tok.save_pretrained(str(init))
+
+        def cfg(out: str):
+            over = {"run.output_dir": out, "model.init_from": str(init), "run.iterations": args.ray_iterations,
+                    "run.checkpoint_every": 1000, "run.eval_every": 1000, "run.seed": args.seed,
+                    "cluster.cpu_threads": args.threads, "rollout.lam": args.ray_lam,
+                    "rollout.groups_per_iteration": args.groups, "rollout.group_size": args.group_size,
+                    "rollout.max_new_tokens": args.max_new_tokens, "rollout.max_total_tokens": 2048,
+                    "rollout.max_staleness": args.max_staleness, "train.qb_update": args.qb_update,
+                    "train.dead_signal_patience": 10**9}
+            return load_config(root / "configs/quickstart.yaml", [f"{k}={v}" for k, v in over.items()])
+
+        # in-process: what run_rl's loop does, with the workers as plain objects
+        c = cfg(f"{tmp}/inproc")
+        t = time.perf_counter()
+        rollout, trainer = RolloutWorker(c, f"{tmp}/inproc"), TrainWorker(c)
+        setup = time.perf_counter() - t
+        local, version = [], 0
+        for it in range(args.ray_iterations):
+            t0 = time.perf_counter()
+            dicts, _ = rollout.iterate(it)
+            t1 = time.perf_counter()
+            if dicts:
+                trainer.step(dicts)
+            t2 = time.perf_counter()
+            if trainer.version() > version:
+                version = trainer.version()
+                rollout.update_weights(trainer.weights(), version)
+            local.append(dict(rollout_s=t1 - t0, train_s=t2 - t1, sync_s=time.perf_counter() - t2,
+                              trained_tokens=sum(sum(d["loss_mask"]) for d in dicts)))
+        rollout.close()
+
+        # through Ray
+        os.environ.pop("RAY_ADDRESS", None)
+        t = time.perf_counter()
+        run_rl(cfg(f"{tmp}/ray"), log=lambda *_: None)
+        ray_wall = time.perf_counter() - t
+        ray.shutdown()
+        rows = [json.loads(x) for x in (Path(tmp) / "ray/metrics.jsonl").read_text().splitlines()]
+
+    def total(rs, key):
+        return sum(r[key] for r in rs)
+
+    out = []
+    for name, rs, keys, extra in (
+        ("in-process workers", local, ("rollout_s", "train_s", "sync_s"), dict(setup_s=setup)),
+        ("Ray driver (run_rl)", rows, ("time/rollout_s", "time/train_s", "time/sync_s"), dict(run_rl_wall_s=ray_wall)),
+    ):
+        n = len(rs)
+        out.append(dict(path=name, lam=args.ray_lam, iterations=n, **{
+            "rollout_s_per_iteration": total(rs, keys[0]) / n, "train_s_per_iteration": total(rs, keys[1]) / n,
+            "sync_s_per_iteration": total(rs, keys[2]) / n,
+            "s_per_iteration": sum(total(rs, k) for k in keys) / n}, **extra))
+    trained = [sum(r["trained_tokens"] for r in local), sum(int(r.get("train/tokens", 0)) for r in rows)]
+    out[0]["trained_tokens"], out[1]["trained_tokens"] = trained
+    for r in out:
+        r["ratio_vs_in_process"] = r["s_per_iteration"] / out[0]["s_per_iteration"]
+    # what Ray adds outside the iterations: ray.init, placement group, actors, final checkpoint and model save
+    out[1]["outside_iterations_s"] = ray_wall - out[1]["s_per_iteration"] * out[1]["iterations"]
+    return dict(rows=out)
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lams", default="1.0,0.7,0.5")
+    ap.add_argument("--tokens", type=int, default=16_000, help="trained tokens per λ")
+    ap.add_argument("--groups", type=int, default=8)
+    ap.add_argument("--group-size", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=768)
+    ap.add_argument("--max-staleness", type=int, default=4)
+    ap.add_argument("--fit-steps", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--policy-dir", type=Path, default=None,
+                    help="load the fitted policy from here if saved, else fit and save it here")
+    ap.add_argument("--quick", action="store_true", help="4 groups x 4, 2K trained tokens per λ")
+    ap.add_argument("--qb-update", action="store_true", help="Quantile Balancing router-bias updates on")
+    ap.add_argument("--ray", action="store_true", help="also the Ray driver's overhead (see ray_overhead)")
+    ap.add_argument("--ray-only", action="store_true", help="only the Ray driver's overhead")
+    ap.add_argument("--ray-lam", type=float, default=0.7)
+    ap.add_argument("--ray-iterations", type=int, default=8)
+    ap.add_argument("--out", default="partial_rollout")
+    args = ap.parse_args()
+    if args.quick:
+        args.groups, args.tokens = 4, 2_000
+    torch.set_num_threads(args.threads)
+    tok = default_tokenizer()
+
+    t = time.perf_counter()
+    if args.policy_dir is not None and (args.policy_dir / "config.json").is_file():
+        model, how = K3ForCausalLM.from_pretrained(str(args.policy_dir)).eval(), f"loaded from {args.policy_dir}"
+    else:
+        model, how = fit_policy(tok, args.fit_steps, args.seed), f"fitted ({args.fit_steps} steps)"
+        if args.policy_dir is not None:
+            model.save_pretrained(str(args.policy_dir))
+    fit_s = time.perf_counter() - t
+    print(f"policy: k3-tiny {how} in {fit_s:.1f}s; load average {os.getloadavg()[0]:.2f}", flush=True)
+
+    result = dict(args={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, demos=DEMOS,
+                  fit_s=fit_s, policy=how, threads=args.threads)
+    if not args.ray_only:
+        result["rows"] = rows = []
+        for lam in (float(x) for x in args.lams.split(",")):
+            r = asyncio.run(run_lambda(model, tok, lam, args))
+            rows.append(r)
+            print(f"λ={lam}: {r['warmup_iterations']} + {r['iterations']} iterations, {r['trained_tokens']} trained "
+                  f"tokens in {r['wall_s']:.1f}s (load {r['load_average_start']:.2f} → {r['load_average_end']:.2f})",
+                  flush=True)
+        base = next((r for r in rows if r["lam"] == 1.0), rows[0])
+        for r in rows:
+            r["ratio_s_per_1k_vs_lam1"] = r["s_per_1k_tokens"] / base["s_per_1k_tokens"]
+            r["ratio_s_per_iteration_vs_lam1"] = r["s_per_iteration"] / base["s_per_iteration"]
+            r["ratio_cpu_s_per_1k_vs_lam1"] = r["cpu_s_per_1k_tokens"] / base["cpu_s_per_1k_tokens"]
+        print(f"\nk3-tiny on CPU ({args.threads} thread), {args.groups} groups x {args.group_size}, max "
+              f"{args.max_new_tokens} new tokens, max_staleness {args.max_staleness}, until {args.tokens} trained "
+              f"tokens per λ; generated tokens at λ = {base['lam']}: p50 {base['gen_p50']:.0f}, p99 "
+              f"{base['gen_p99']:.0f} (p99/p50 = {base['gen_p99'] / max(base['gen_p50'], 1):.1f})")
+        print_table(rows, ["lam", "iterations", "trained_tokens", "wall_s", "s_per_1k_tokens",
+                           "ratio_s_per_1k_vs_lam1", "cpu_s_per_1k_tokens", "ratio_cpu_s_per_1k_vs_lam1",
+                           "s_per_iteration", "rollout_s_per_iteration",
+                           "train_s_per_iteration", "sync_s_per_iteration", "weight_sync_ms"])
+        print()
+        print_table(rows, ["lam", "gen_p50", "gen_p90", "gen_p99", "gen_max", "gen_mean", "trained_seqs",
+                           "groups_per_iteration", "paused", "restarted_stale", "staleness_max",
+                           "engine_generated_tokens", "buffered_generated_at_start", "buffered_generated_at_end"])
+    if args.ray or args.ray_only:
+        result["ray"] = ray = ray_overhead(model, tok, args)
+        print(f"\nRay overhead: λ = {args.ray_lam}, {args.ray_iterations} iterations, configs/quickstart.yaml")
+        print_table(ray["rows"], ["path", "iterations", "trained_tokens", "s_per_iteration", "ratio_vs_in_process",
+                                  "rollout_s_per_iteration", "train_s_per_iteration", "sync_s_per_iteration",
+                                  "setup_s", "run_rl_wall_s", "outside_iterations_s"])
+    result["load_average_end"] = os.getloadavg()
+    write_json(args.out + ("-ray" if args.ray_only else ""), result)
+
+
+if __name__ == "__main__":
+    main()
