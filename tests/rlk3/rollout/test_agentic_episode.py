@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from envs.tasks import get_tasks
-from harness import Harness
 from harness.tokenizer import default_tokenizer
 from rlk3.engine import EngineConfig, RolloutEngine
 from rlk3.model import K3Config, K3ForCausalLM
@@ -21,28 +20,7 @@ from rlk3.rollout.agent_loop import E2BEpisodeSandboxes, LoopConfig
 from rlk3.rollout.demos import DEFAULT_BUDGETS, build_demos
 from rlk3.rollout.env import RolloutEnv
 from rlk3.rollout.trajectory import Status
-
-
-def fit(model, tok, demos, steps=200):
-    """Train until every demonstrated assistant token is the argmax."""
-    h = Harness("tiny", tok)
-    rows = []
-    for d in demos:
-        ids, mask = h.assistant_mask(d.messages)
-        rows.append((torch.tensor([ids]), torch.tensor([[i if m else -100 for i, m in zip(ids, mask)]])))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model.train()
-    for _ in range(steps):
-        total = 0.0
-        for ids, labels in rows:
-            loss = model(ids, labels=labels).loss
-            loss.backward()
-            total += loss.item()
-        opt.step()
-        opt.zero_grad()
-        if total / len(rows) < 0.005:
-            break
-    return model.eval()
+from tests.rlk3._fit import demo_rows, fit
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +29,8 @@ def fitted():
     torch.manual_seed(0)
     # a high-effort demonstration: write the function, check it with the shell, submit (three turns)
     demo = next(d for d in build_demos("coding", 8, tokenizer=tok, error_rate=0.0, seed=11) if d.effort == "high")
-    model = fit(K3ForCausalLM(K3Config.preset("k3-tiny", vocab_size=len(tok))), tok, [demo])
+    model = fit(K3ForCausalLM(K3Config.preset("k3-tiny", vocab_size=len(tok))), demo_rows(tok, [demo], "tiny"), 200,
+                target=0.005)
     return model, tok, demo
 
 
