@@ -1,7 +1,7 @@
 """Partial rollouts (issue 7): wall time per iteration at equal trained tokens for λ = 1.0 vs 0.7 vs 0.5, on a
 long-tailed generation-length distribution, with the real engine, agent loop, grader and trainer on CPU.
 
-    python bench/partial_rollout.py                 # k3-tiny, 8 groups x 4 samples, until 16K trained tokens per λ
+    python bench/partial_rollout.py                 # k3-tiny, 8 groups x 4 samples, until 12K trained tokens per λ
     python bench/partial_rollout.py --quick         # a smoke run: 4 groups x 4, until 2K trained tokens per λ
     python bench/partial_rollout.py --ray-only      # the Ray driver's overhead: run_rl vs its workers in-process
 
@@ -9,24 +9,33 @@ Each λ runs the driver's loop in one process, from the same fitted policy and t
 ``PartialRollouts.iterate`` (schedule, generate, grade) → ``Trainer.step`` → ``engine.update_weights(
 trainer.weights(), version)``, until the trained (generated, loss-masked) tokens reach ``--tokens``. Reported per λ:
 seconds per 1K trained tokens and per iteration (ratio against λ = 1.0 measured in the same run), the time of each
-phase, weight-sync time, and the scheduler's counts (paused, resumed, restarted for staleness). λ < 1 first runs
-``max_staleness + 2`` untimed iterations, so the carry-over buffer is in its steady state when timing starts (every
-trajectory finishes within ``max_staleness + 1`` iterations of its first token); λ = 1 carries nothing over.
+phase, weight-sync time, and the scheduler's counts (paused, restarted for staleness, groups trained).
 
-Quantile Balancing is off by default (``--qb-update`` turns it on): its router-bias update changes what the fitted
-k3-tiny samples even when the gradient is zero (12 zero-gradient steps changed 36 of 64 seeded samples and the mean
-length by 20%), and λ < 1 takes several small steps where λ = 1 takes one, so with it on each λ would sample from a
-different length distribution and "equal trained tokens" would compare different work.
+How the comparison is kept fair:
+- *Side by side.* The λ runs advance together, one iteration at a time, the run with the least timed wall time
+  going next, so on a shared machine every λ sees the same stretches of load. Wall time and the process's CPU time
+  are both reported (with one intra-op thread the CPU time is the steadier of the two).
+- *Steady state.* λ < 1 first runs ``max_staleness + 2`` (at most 10) untimed iterations on other prompts, so its
+  carry-over buffer is full when timing starts (every trajectory finishes within max_staleness + 1 iterations of its
+  first token); the timed iterations then start at prompt 0 like λ = 1's (which carries nothing over).
+- *The same work.* The trainer takes its full step (forward, backward, clipping, AdamW) at ``--lr 0`` by default,
+  and Quantile Balancing's router-bias update is off (``--qb-update``): λ < 1 takes several small steps where λ = 1
+  takes one, and a policy that learns (or whose routing biases move: 12 zero-gradient QB steps changed 36 of 64
+  seeded samples and the mean length by 20%) would sample a different length distribution at each λ, so equal
+  trained tokens would compare different work. With a fixed policy the engine's seeded sampling gives a trajectory
+  the same tokens whether or not it was paused, so every λ trains the same kind of trajectories.
 
-The long tail. A k3-tiny is fitted in about a minute to a few general-domain demonstrations (as in
+The long tail. A k3-tiny is fitted in one to two minutes to ten general-domain demonstrations (as in
 tests/rlk3/conftest.py) whose reply length depends on the stated effort: low answers at once (~6 tokens), medium
-folds two operations per line (~15-50), high writes every step and then re-checks it 2, 6 or 12 times (~100-700).
-Sampled at temperature 1 over a uniform effort mix, the fitted model stops on its own at lengths spread over two
-orders of magnitude (it does not follow the effort cleanly: low-effort prompts also ramble at times), capped at
-``--max-new-tokens``. The p50 / p99 of the generated tokens of every trained trajectory is measured and printed.
+folds two operations per line (~15-50), high writes every step and then re-checks it 2, 6 or 16 times (~100-900).
+Sampled at temperature 1 on prompts of all three efforts, the fitted model stops on its own at lengths spread over
+two orders of magnitude (it follows the effort only loosely: about a quarter of the answers come at once, the rest
+reason for tens to hundreds of tokens), capped at ``--max-new-tokens``. The p50 / p99 of the generated tokens of
+every trained trajectory are printed. (The mix is sensitive: with one medium demonstration fewer, most answers come
+at once, the p50 is 6 tokens, λ = 0.5's cutoff falls at ~6 tokens, long trajectories advance a few tokens per
+iteration until the staleness bound makes an iteration wait for them, and λ = 0.5 gains nothing.)
 
-Prints a table and writes bench/results/partial_rollout.json. Wall time and the process's CPU time are both reported:
-on a shared machine the CPU time of a single-threaded run is the steadier of the two.
+Prints tables and writes bench/results/partial_rollout.json (``--ray-only``: partial_rollout-ray.json).
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import math
 import os
 import statistics
 import sys
@@ -57,7 +67,8 @@ from rlk3.train.trainer import Trainer
 
 PRESET = "chat"  # the general domain's harness preset (no tools)
 # demonstrations: (effort, re-checks); high effort re-derives its sum this many more times
-DEMOS = [("low", 0)] * 4 + [("medium", 0)] * 2 + [("high", 2), ("high", 6), ("high", 12)]
+EFFORTS = ["low", "medium", "high"]  # the prompts' effort levels, drawn uniformly
+DEMOS = [("low", 0)] * 4 + [("medium", 0)] * 3 + [("high", 2), ("high", 6), ("high", 16)]
 
 
 # ------------------------------------------------------------------------------------------------ the policy
@@ -108,48 +119,88 @@ def pct(xs: list[int], q: float) -> float:
     return float(xs[min(len(xs) - 1, int(q * len(xs)))]) if xs else 0.0
 
 
-async def run_lambda(model, tok, lam: float, args) -> dict:
-    """The driver's loop without Ray: iterate → train → sync, until ``args.tokens`` trained tokens."""
-    engine = RolloutEngine(copy.deepcopy(model), EngineConfig(memory_bytes=256 << 20, max_model_len=2048))
-    loop = AgentLoop(EngineFront(engine), {"general": Harness(PRESET, tok)}, grading=Grading(),
-                     config=LoopConfig(temperature=1.0, max_turn_tokens=args.max_new_tokens,
-                                       max_context_tokens=2048, seed=args.seed))
-    source = PromptSource(["general"], ["low", "medium", "high"], lambda effort, step: None, seed=args.seed)
-    pr = PartialRollouts(loop, source, groups=args.groups, group_size=args.group_size, lam=lam,
-                         max_staleness=args.max_staleness)
-    warnings = []
-    trainer = Trainer(copy.deepcopy(model), TrainConfig(dead_signal_patience=10**9, qb_update=args.qb_update),
-                      log=warnings.append)
-    iters, lengths = [], []
-    it, warmup = 0, 0 if lam == 1.0 else args.max_staleness + 2
-    while it < warmup:  # untimed: the buffer fills up to its steady state
-        ready, _ = await pr.iterate(it, engine.version)
-        if ready:
-            trainer.step(ready)
-            engine.update_weights(trainer.weights(), trainer.version)
-        it += 1
-    trained_tokens, t_start, c_start = 0, time.perf_counter(), time.process_time()
-    load = os.getloadavg()[0]
-    buffered_start = sum(t.num_generated for t in pr.buffer)
-    while trained_tokens < args.tokens:
-        t0 = time.perf_counter()
+class TopUpRunning(PartialRollouts):
+    """A what-if, not rlk3's scheduler: top up to ``groups × group_size`` *unfinished* trajectories (DESIGN.md §2,
+    step 1) instead of to ``groups`` prompt groups (partial.py), so the early finishers of a group that waits for a
+    straggler stop holding seats in the batch. The buffer then holds more than ``groups`` groups."""
+
+    def _top_up(self, step: int):
+        unfinished = sum(not t.finished for t in self.buffer)
+        new_groups = max(0, math.ceil((self.groups * self.group_size - unfinished) / self.group_size))
+        have = len({t.group_id for t in self.buffer})
+        self.groups, keep = have + new_groups, self.groups  # PartialRollouts tops up to self.groups groups
+        try:
+            return super()._top_up(step)
+        finally:
+            self.groups = keep
+
+
+class LambdaRun:
+    """The driver's loop for one λ without Ray: ``PartialRollouts.iterate`` → ``Trainer.step`` →
+    ``engine.update_weights(trainer.weights(), version)``, one iteration per ``iteration()`` call."""
+
+    def __init__(self, model, tok, lam: float, args) -> None:
+        self.lam, self.args = lam, args
+        self.engine = RolloutEngine(copy.deepcopy(model), EngineConfig(memory_bytes=256 << 20, max_model_len=2048))
+        self.loop = AgentLoop(EngineFront(self.engine), {"general": Harness(PRESET, tok)}, grading=Grading(),
+                              config=LoopConfig(temperature=1.0, max_turn_tokens=args.max_new_tokens,
+                                                max_context_tokens=2048, seed=args.seed))
+        source = PromptSource(["general"], EFFORTS, lambda effort, step: None, seed=args.seed)
+        scheduler = TopUpRunning if args.top_up == "running" else PartialRollouts
+        self.pr = scheduler(self.loop, source, groups=args.groups, group_size=args.group_size, lam=lam,
+                            max_staleness=args.max_staleness)
+        self.warnings: list[str] = []
+        self.trainer = Trainer(copy.deepcopy(model), TrainConfig(lr=args.lr, dead_signal_patience=10**9,
+                                                                 qb_update=args.qb_update), log=self.warnings.append)
+        self.it = 0
+        self.iters: list[dict] = []
+        self.lengths: list[int] = []
+        self.trained_tokens = 0
+        self.wall = self.cpu = 0.0
+        self.loads: list[float] = []
+
+    async def warm_up(self) -> None:
+        """λ < 1: ``--warmup`` untimed iterations on other prompts (default ``max_staleness + 2``, at most 10), so
+        the carry-over buffer is in its steady state when timing starts (every trajectory finishes within
+        max_staleness + 1 iterations of its first token); the timed iterations then start at prompt 0, like λ = 1's.
+        λ = 1 carries nothing over."""
+        default = min(self.args.max_staleness, 8) + 2
+        self.warmup = 0 if self.lam == 1.0 else (default if self.args.warmup is None else self.args.warmup)
+        if not self.warmup:
+            return
+        self.pr.source.position = 10**6
+        for _ in range(self.warmup):
+            ready, _ = await self.pr.iterate(self.it, self.engine.version)
+            if ready:
+                self.trainer.step(ready)
+                self.engine.update_weights(self.trainer.weights(), self.trainer.version)
+            self.it += 1
+        self.pr.source.position = 0
+        self.buffered_start = sum(t.num_generated for t in self.pr.buffer)
+
+    async def iteration(self) -> None:
+        engine, trainer = self.engine, self.trainer
+        self.loads.append(os.getloadavg()[0])
+        c0, t0 = time.process_time(), time.perf_counter()
         before = engine.stats()
-        ready, stats = await pr.iterate(it, engine.version)  # schedule + generate + grade
+        ready, stats = await self.pr.iterate(self.it, engine.version)  # schedule + generate + grade
         t1 = time.perf_counter()
         metrics = trainer.step(ready) if ready else {}  # train
         t2 = time.perf_counter()
         if trainer.version > engine.version:  # sync
             engine.update_weights(trainer.weights(), trainer.version)
         t3 = time.perf_counter()
+        self.wall += t3 - t0
+        self.cpu += time.process_time() - c0
         after = engine.stats()
         tokens = sum(sum(t.loss_mask) for t in ready)
         rewards: dict[str, set] = {}
         for t in ready:
             rewards.setdefault(t.group_id, set()).add(t.reward)
-        trained_tokens += tokens
-        lengths += [t.num_generated for t in ready]
-        iters.append(dict(
-            iteration=it - warmup, rollout_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2, trained_seqs=len(ready),
+        self.trained_tokens += tokens
+        self.lengths += [t.num_generated for t in ready]
+        self.iters.append(dict(
+            iteration=len(self.iters), rollout_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2, trained_seqs=len(ready),
             trained_tokens=tokens, train_loss_tokens=metrics.get("train/tokens", 0.0), launched=stats.launched,
             resumed=stats.resumed, paused=stats.paused, restarted_stale=stats.restarted_stale,
             groups_trained=stats.groups_trained, groups_with_reward_spread=sum(len(v) > 1 for v in rewards.values()),
@@ -159,36 +210,47 @@ async def run_lambda(model, tok, lam: float, args) -> dict:
             staleness_max=max((max(t.policy_versions) - min(t.policy_versions) for t in ready if t.policy_versions),
                               default=0),
         ))
-        it += 1
-    wall, cpu = time.perf_counter() - t_start, time.process_time() - c_start
-    await loop.front.close()
-    n = len(iters)
-    spread = sum(r["groups_with_reward_spread"] for r in iters)
-    per = {k: sum(r[k] for r in iters) / n for k in ("rollout_s", "train_s", "sync_s")}
-    generated = sum(r["generated_tokens"] for r in iters)
-    return dict(
-        lam=lam, warmup_iterations=warmup, iterations=n, trained_tokens=trained_tokens, trained_seqs=len(lengths),
-        wall_s=wall,
-        s_per_iteration=wall / n, s_per_1k_tokens=1000 * wall / trained_tokens,
-        cpu_s=cpu, cpu_s_per_1k_tokens=1000 * cpu / trained_tokens,
-        rollout_s_per_iteration=per["rollout_s"], train_s_per_iteration=per["train_s"],
-        sync_s_per_iteration=per["sync_s"],
-        rollout_share=sum(r["rollout_s"] for r in iters) / wall,
-        weight_sync_ms=1000 * statistics.median(r["sync_s"] for r in iters if r["sync_s"] > 0) if any(
-            r["sync_s"] > 0 for r in iters) else 0.0,
-        gen_p50=pct(lengths, 0.5), gen_p90=pct(lengths, 0.9), gen_p99=pct(lengths, 0.99), gen_max=max(lengths),
-        gen_mean=statistics.mean(lengths),
-        # engine work: sampled tokens (restarts throw theirs away; the buffer's are not trained yet) and steps
-        engine_generated_tokens=generated, engine_steps=sum(r["engine_steps"] for r in iters),
-        prefill_tokens=sum(r["prefill_tokens"] for r in iters),
-        buffered_generated_at_start=buffered_start, buffered_at_end=len(pr.buffer),
-        buffered_generated_at_end=sum(t.num_generated for t in pr.buffer),
-        paused=sum(r["paused"] for r in iters), restarted_stale=sum(r["restarted_stale"] for r in iters),
-        groups_per_iteration=sum(r["groups_trained"] for r in iters) / n,
-        groups_with_reward_spread=spread / max(1, sum(r["groups_trained"] for r in iters)),
-        staleness_max=max(r["staleness_max"] for r in iters), dead_signal_warnings=len(warnings),
-        load_average_start=load, load_average_end=os.getloadavg()[0], per_iteration=iters,
-    )
+        self.it += 1
+
+    def summary(self) -> dict:
+        iters, lengths, n = self.iters, self.lengths, len(self.iters)
+        per = {k: sum(r[k] for r in iters) / n for k in ("rollout_s", "train_s", "sync_s")}
+        groups = sum(r["groups_trained"] for r in iters)
+        syncs = [r["sync_s"] for r in iters if r["sync_s"] > 0]
+        return dict(
+            lam=self.lam, warmup_iterations=self.warmup, iterations=n, trained_tokens=self.trained_tokens,
+            trained_seqs=len(lengths), wall_s=self.wall, s_per_iteration=self.wall / n,
+            s_per_1k_tokens=1000 * self.wall / self.trained_tokens, cpu_s=self.cpu,
+            cpu_s_per_1k_tokens=1000 * self.cpu / self.trained_tokens,
+            rollout_s_per_iteration=per["rollout_s"], train_s_per_iteration=per["train_s"],
+            sync_s_per_iteration=per["sync_s"], rollout_share=per["rollout_s"] * n / self.wall,
+            weight_sync_ms=1000 * statistics.median(syncs) if syncs else 0.0,
+            gen_p50=pct(lengths, 0.5), gen_p90=pct(lengths, 0.9), gen_p99=pct(lengths, 0.99), gen_max=max(lengths),
+            gen_mean=statistics.mean(lengths),
+            # engine work: sampled tokens (the buffer's are not trained yet) and steps
+            engine_generated_tokens=sum(r["generated_tokens"] for r in iters),
+            engine_steps=sum(r["engine_steps"] for r in iters), prefill_tokens=sum(r["prefill_tokens"] for r in iters),
+            buffered_generated_at_start=getattr(self, "buffered_start", 0),
+            buffered_generated_at_end=sum(t.num_generated for t in self.pr.buffer),
+            paused=sum(r["paused"] for r in iters), restarted_stale=sum(r["restarted_stale"] for r in iters),
+            groups_per_iteration=groups / n,
+            groups_with_reward_spread=sum(r["groups_with_reward_spread"] for r in iters) / max(1, groups),
+            staleness_max=max(r["staleness_max"] for r in iters), dead_signal_warnings=len(self.warnings),
+            load_average_mean=statistics.mean(self.loads), per_iteration=iters,
+        )
+
+
+async def run_lambdas(model, tok, lams: list[float], args) -> list[dict]:
+    """All λ side by side: the run with the least timed wall time so far goes next, so every λ sees the same
+    stretches of a shared machine's load."""
+    runs = [LambdaRun(model, tok, lam, args) for lam in lams]
+    for r in runs:
+        await r.warm_up()
+    while live := [r for r in runs if r.trained_tokens < args.tokens]:
+        await min(live, key=lambda r: r.wall).iteration()
+    for r in runs:
+        await r.loop.front.close()
+    return [r.summary() for r in runs]
 
 
 # ------------------------------------------------------------------------------------------------ Ray
@@ -222,7 +284,7 @@ def ray_overhead(model, tok, args) -> dict:
                     "rollout.groups_per_iteration": args.groups, "rollout.group_size": args.group_size,
                     "rollout.max_new_tokens": args.max_new_tokens, "rollout.max_total_tokens": 2048,
                     "rollout.max_staleness": args.max_staleness, "train.qb_update": args.qb_update,
-                    "train.dead_signal_patience": 10**9}
+                    "train.dead_signal_patience": 10**9, **({"train.lr": args.lr} if args.lr > 0 else {})}
             return load_config(root / "configs/quickstart.yaml", [f"{k}={v}" for k, v in over.items()])
 
         # in-process: what run_rl's loop does, with the workers as plain objects
@@ -281,17 +343,21 @@ def ray_overhead(model, tok, args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lams", default="1.0,0.7,0.5")
-    ap.add_argument("--tokens", type=int, default=16_000, help="trained tokens per λ")
+    ap.add_argument("--tokens", type=int, default=12_000, help="trained tokens per λ")
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=768)
+    ap.add_argument("--max-new-tokens", type=int, default=1024)
     ap.add_argument("--max-staleness", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=None, help="untimed iterations of λ < 1 (default max_staleness + 2)")
     ap.add_argument("--fit-steps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policy-dir", type=Path, default=None,
                     help="load the fitted policy from here if saved, else fit and save it here")
     ap.add_argument("--quick", action="store_true", help="4 groups x 4, 2K trained tokens per λ")
+    ap.add_argument("--top-up", choices=["groups", "running"], default="groups",
+                    help="groups: rlk3's scheduler; running: the TopUpRunning what-if")
+    ap.add_argument("--lr", type=float, default=0.0, help="the trainer's learning rate (0: the policy stays fixed)")
     ap.add_argument("--qb-update", action="store_true", help="Quantile Balancing router-bias updates on")
     ap.add_argument("--ray", action="store_true", help="also the Ray driver's overhead (see ray_overhead)")
     ap.add_argument("--ray-only", action="store_true", help="only the Ray driver's overhead")
@@ -315,24 +381,22 @@ def main() -> None:
     print(f"policy: k3-tiny {how} in {fit_s:.1f}s; load average {os.getloadavg()[0]:.2f}", flush=True)
 
     result = dict(args={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, demos=DEMOS,
-                  fit_s=fit_s, policy=how, threads=args.threads)
+                  efforts=EFFORTS, fit_s=fit_s, policy=how, threads=args.threads)
     if not args.ray_only:
-        result["rows"] = rows = []
-        for lam in (float(x) for x in args.lams.split(",")):
-            r = asyncio.run(run_lambda(model, tok, lam, args))
-            rows.append(r)
-            print(f"λ={lam}: {r['warmup_iterations']} + {r['iterations']} iterations, {r['trained_tokens']} trained "
-                  f"tokens in {r['wall_s']:.1f}s (load {r['load_average_start']:.2f} → {r['load_average_end']:.2f})",
-                  flush=True)
+        result["rows"] = rows = asyncio.run(run_lambdas(model, tok, [float(x) for x in args.lams.split(",")], args))
+        for r in rows:
+            print(f"λ={r['lam']}: {r['warmup_iterations']} + {r['iterations']} iterations, {r['trained_tokens']} "
+                  f"trained tokens in {r['wall_s']:.1f}s (mean load average {r['load_average_mean']:.2f})")
         base = next((r for r in rows if r["lam"] == 1.0), rows[0])
         for r in rows:
             r["ratio_s_per_1k_vs_lam1"] = r["s_per_1k_tokens"] / base["s_per_1k_tokens"]
             r["ratio_s_per_iteration_vs_lam1"] = r["s_per_iteration"] / base["s_per_iteration"]
             r["ratio_cpu_s_per_1k_vs_lam1"] = r["cpu_s_per_1k_tokens"] / base["cpu_s_per_1k_tokens"]
+        tail = base["gen_p99"] / max(base["gen_p50"], 1)
         print(f"\nk3-tiny on CPU ({args.threads} thread), {args.groups} groups x {args.group_size}, max "
-              f"{args.max_new_tokens} new tokens, max_staleness {args.max_staleness}, until {args.tokens} trained "
-              f"tokens per λ; generated tokens at λ = {base['lam']}: p50 {base['gen_p50']:.0f}, p99 "
-              f"{base['gen_p99']:.0f} (p99/p50 = {base['gen_p99'] / max(base['gen_p50'], 1):.1f})")
+              f"{args.max_new_tokens} new tokens, max_staleness {args.max_staleness}, top-up by {args.top_up}, "
+              f"until {args.tokens} trained tokens per λ; generated tokens at λ = {base['lam']}: p50 "
+              f"{base['gen_p50']:.0f}, p99 {base['gen_p99']:.0f} (p99/p50 = {tail:.1f})")
         print_table(rows, ["lam", "iterations", "trained_tokens", "wall_s", "s_per_1k_tokens",
                            "ratio_s_per_1k_vs_lam1", "cpu_s_per_1k_tokens", "ratio_cpu_s_per_1k_vs_lam1",
                            "s_per_iteration", "rollout_s_per_iteration",
