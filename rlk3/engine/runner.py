@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from rlk3.engine.pool import PagedPool, PoolLayout
 from rlk3.model.layers.attn_res import AttnResStream, ResidualStream
 from rlk3.model.layers.mla import ABSORB_MAX_QUERY_LEN
-from rlk3.model.layers.moe import StableLatentMoE
+from rlk3.model.layers.moe import StableLatentMoE, add_slots, sum_in_expert_order
 from rlk3.model.ops.kda import chunk_kda, fused_recurrent_kda_pool
 from rlk3.model.ops.mla import mla_attention, paged_mla_decode, split_kv_b
 
@@ -285,7 +285,7 @@ def latent_moe(moe: StableLatentMoE, x: torch.Tensor, experts_fn) -> torch.Tenso
 def grouped_experts(experts, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``K3Experts.forward`` as two batched matmuls: the (token, expert) pairs are sorted by expert into an
     ``[E, C, D]`` buffer (C = the busiest expert's count, the rest zero rows), so each projection is one ``bmm``
-    instead of a loop over experts. Pairs are accumulated per token in expert order in fp32, as the loop does."""
+    instead of a loop over experts. Pairs are added per token in expert order in fp32, as the loop does."""
     N, k = idx.shape
     E = experts.num_experts
     flat = idx.flatten()
@@ -300,16 +300,15 @@ def grouped_experts(experts, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor
     buf[rows] = h[tokens]
     gate, up = torch.bmm(buf.view(E, C, -1), experts.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
     y = torch.bmm(experts.act(gate, up), experts.down_proj.transpose(1, 2)).view(E * C, -1)[rows]
-    out = torch.zeros(N, h.shape[-1], dtype=torch.float32, device=h.device)
-    out.index_add_(0, tokens, y.float() * w.flatten()[order, None])
-    return out.to(h.dtype)
+    return sum_in_expert_order(y.float() * w.flatten()[order, None], order, k).to(h.dtype)
 
 
 def dense_experts(experts, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``K3Experts.forward`` with every expert applied to every token and weighted by the router (zero for
-    experts not selected): E/k times the FLOPs, but static shapes and no host sync (CUDA graphs)."""
-    weights = torch.zeros(h.shape[0], experts.num_experts, dtype=torch.float32, device=h.device)
-    weights.scatter_(1, idx, w)
+    """``K3Experts.forward`` with every expert applied to every token, then each token's k selected outputs
+    weighted and added in expert order, as ``grouped_experts`` adds them: E/k times the FLOPs, but static shapes
+    and no host sync (CUDA graphs)."""
     gate, up = torch.einsum("nd,efd->nef", h, experts.gate_up_proj).chunk(2, dim=-1)
-    y = torch.einsum("nei,edi->ned", experts.act(gate, up), experts.down_proj)
-    return (y.float() * weights[..., None]).sum(dim=1).to(h.dtype)
+    y = torch.einsum("nei,edi->ned", experts.act(gate, up), experts.down_proj)  # [N, E, D]
+    chosen, slot = idx.sort(dim=1)
+    picked = y.gather(1, chosen[..., None].expand(-1, -1, y.shape[-1])).float() * w.gather(1, slot)[..., None]
+    return add_slots(picked).to(h.dtype)

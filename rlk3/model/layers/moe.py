@@ -121,8 +121,26 @@ class K3Experts(nn.Module):
         gate, up = torch._grouped_mm(xs, w_gate_up, offs=offs).chunk(2, dim=-1)
         y = torch._grouped_mm(self.act(gate, up), self.down_proj.to(x.dtype).transpose(1, 2), offs=offs)
         y = y.float() * weights.flatten()[order, None]
-        out = torch.zeros(x.shape[0], x.shape[-1], dtype=torch.float32, device=x.device)
-        return out.index_add_(0, token_of, y).to(x.dtype)
+        return sum_in_expert_order(y, order, weights.shape[1]).to(x.dtype)
+
+
+def sum_in_expert_order(y: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+    """Each token's sum of its ``k`` weighted expert outputs, added in expert order as the loop above adds them.
+    ``y`` has one row per (token, slot) pair, sorted by expert: ``order`` is the stable argsort of the flattened
+    expert ids that sorted them. The additions happen in a fixed order, so the same inputs always round the same
+    way: ``index_add_`` on CUDA adds a token's k rows with atomics in whatever order they land, which made eager
+    bf16 decode differ from run to run (docs/BENCHMARKS.md, GPU tests)."""
+    row = torch.empty_like(order)
+    row[order] = torch.arange(order.numel(), device=order.device)  # each (token, slot) pair's row in y
+    return add_slots(y[row.view(-1, k).sort(dim=1).values])  # a token's rows in increasing order = by expert
+
+
+def add_slots(y: torch.Tensor) -> torch.Tensor:
+    """``[N, k, D]`` → ``[N, D]``: the k slots added one after another (``sum`` may pair them up differently)."""
+    out = y[:, 0]
+    for j in range(1, y.shape[1]):
+        out = out + y[:, j]
+    return out
 
 
 class StableLatentMoE(nn.Module):
