@@ -4,8 +4,6 @@ FLA's Triton kernels against our torch reference on the same bf16 inputs, with F
 RMS): outputs and states 5e-3, dq/dk/dv 8e-3, dg/dbeta 2e-2. Then k3-small forward+backward on the GPU.
 """
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +11,7 @@ import torch.nn.functional as F
 from rlk3.model import K3Config, K3ForCausalLM
 from rlk3.model.ops.kda import chunk_kda, fla_available, fused_recurrent_kda
 from tests._util import rel_err
+from tests.rlk3.model._routing import pinned_routing
 
 pytestmark = [
     pytest.mark.gpu,
@@ -112,36 +111,6 @@ def test_k3_small_forward_backward_on_gpu(monkeypatch):
     assert len(routes) == model.config.num_hidden_layers - model.config.first_k_dense_replace  # one per MoE layer
     floor = rel_err(ref_logits, ref_fp32_logits)
     assert rel_err(fla_logits, ref_logits) <= max(2e-2, floor), (rel_err(fla_logits, ref_logits), floor)
-
-
-@contextlib.contextmanager
-def pinned_routing(routes=None):
-    """Records each MoE router call's expert choice (``routes=None``), or replays recorded choices in call order
-    with weights from the current scores, as ``K3Router.forward`` computes them."""
-    from rlk3.model.layers.moe import K3Router
-
-    original = K3Router.forward
-    record = routes is None
-    routes = [] if record else routes
-    replay = iter(routes)
-
-    def forward(self, x):
-        idx, w = original(self, x)
-        if record:
-            routes.append(idx)
-            return idx, w
-        idx = next(replay)
-        w = torch.sigmoid(F.linear(x.float(), self.weight.float())).gather(1, idx)
-        if self.renormalize:
-            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-        return idx, w * self.scaling
-
-    K3Router.forward = forward
-    try:
-        yield routes
-    finally:
-        K3Router.forward = original
-    assert record or next(replay, None) is None, "the replayed run made fewer router calls than were recorded"
 
 
 def test_grouped_gemm_experts_match_the_loop():
