@@ -41,6 +41,10 @@ def test_composes_defaults_file_and_overrides(tmp_path):
         ("defaults: [stage/nope]\n", [], r"no config fragment 'stage/nope'.*available: .*stage/rl"),
         ("rollout:\n  lam: 0.5\n", [], r"missing required keys \['run.stage'\]"),
         ("defaults: [stage/rl]\n", ["rollout.lam"], r"must look like key=value"),
+        ("defaults: [stage/sft]\n", ["sft.domain_demos={math: 10}"], r"sft.domain_demos key must be one of \["),
+        ("defaults: [stage/sft]\n", ["sft.domain_demos={general: 0}"], r"sft.domain_demos.general must be in \[1,"),
+        ("defaults: [stage/sft]\n", ["sft.effort_weights={max: 1}"], r"sft.effort_weights key must be one of \['low'"),
+        ("defaults: [stage/sft]\n", ["sft.effort_weights={low: 0}"], r"sft.effort_weights must have a positive sum"),
     ],
 )
 def test_bad_configs_name_the_key_and_valid_values(tmp_path, text, overrides, match):
