@@ -23,7 +23,7 @@ from harness import Harness
 
 EFFORTS = ("low", "medium", "high")
 # generated-token budgets per effort, stated in every system prompt (RL's effort configs use the same numbers)
-DEFAULT_BUDGETS = {"low": 96, "medium": 192, "high": 384}
+DEFAULT_BUDGETS = {"low": 128, "medium": 192, "high": 384}
 DOMAIN_PRESETS = {"general": "chat", "agentic": "tiny", "coding": "tiny"}
 
 

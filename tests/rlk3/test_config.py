@@ -34,7 +34,7 @@ def test_composes_defaults_file_and_overrides(tmp_path):
         ("defaults: [stage/rl]\n", ["tasks.domains=[math]"], r"tasks.domains\[0\] must be one of \['general'"),
         ("defaults: [stage/rl]\n", ["model.preset=k3-huge"], r"model.preset must be one of \['k3-full', 'k3-small'"),
         ("defaults: [stage/rl]\n", ["rollout.group_size=abc"], r"rollout.group_size"),
-        ("defaults: [stage/rl, effort/low]\n", ["effort.budget_start=50"], r"must be 0 or >= effort.budget \(96\)"),
+        ("defaults: [stage/rl, effort/low]\n", ["effort.budget_start=50"], r"must be 0 or >= effort.budget \(128\)"),
         ("defaults: [stage/rl]\n", ["model.init_from=/nonexistent"], r"checkpoint directory '/nonexistent' does not"),
         ("defaults: [stage/mopd]\n", [], r"mopd.teachers is empty"),
         ("defaults: [stage/mopd]\n", ["mopd.teachers={math/high: x}"], r"mopd.teachers key 'math/high'"),
