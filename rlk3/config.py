@@ -63,6 +63,8 @@ class HarnessConfig:
 @dataclass
 class SFTConfig:
     demos_per_domain: int = 2000
+    domain_demos: dict[str, int] = field(default_factory=dict)  # domain -> count, replacing demos_per_domain there
+    effort_weights: dict[str, float] = field(default_factory=dict)  # effort -> weight of demos at it (empty: equal)
     epochs: float = 1.0
     lr: float = 3e-3
     batch_size: int = 16
@@ -156,7 +158,9 @@ class Config:
 # ---------------------------------------------------------------------------------------------- loading
 
 
-FREE_FORM = ("model.overrides", "tasks.files", "harness.presets", "mopd.teachers")
+FREE_FORM = (
+    "model.overrides", "tasks.files", "harness.presets", "mopd.teachers", "sft.domain_demos", "sft.effort_weights",
+)
 
 
 def _fragment(name: str) -> DictConfig:
@@ -293,6 +297,15 @@ def validate(cfg: Config) -> None:
     _range("harness.max_turns", cfg.harness.max_turns, 1)
     _range("sft.lr", cfg.sft.lr, 0, lo_open=True)
     _range("sft.batch_size", cfg.sft.batch_size, 1)
+    _range("sft.demos_per_domain", cfg.sft.demos_per_domain, 1)
+    for d, n in cfg.sft.domain_demos.items():
+        _in("sft.domain_demos key", d, DOMAINS)
+        _range(f"sft.domain_demos.{d}", n, 1)
+    for e, w in cfg.sft.effort_weights.items():
+        _in("sft.effort_weights key", e, EFFORTS)
+        _range(f"sft.effort_weights.{e}", w, 0)
+    if cfg.sft.effort_weights and sum(cfg.sft.effort_weights.values()) <= 0:
+        raise ConfigError(f"sft.effort_weights must have a positive sum, got {dict(cfg.sft.effort_weights)}")
     _range("sft.demo_error_rate", cfg.sft.demo_error_rate, 0, 1)
     _range("sft.vocab_size", cfg.sft.vocab_size, 300)
     _range("sft.max_length", cfg.sft.max_length, 16)

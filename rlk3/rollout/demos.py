@@ -23,7 +23,7 @@ from harness import Harness
 
 EFFORTS = ("low", "medium", "high")
 # generated-token budgets per effort, stated in every system prompt (RL's effort configs use the same numbers)
-DEFAULT_BUDGETS = {"low": 96, "medium": 192, "high": 384}
+DEFAULT_BUDGETS = {"low": 128, "medium": 192, "high": 384}
 DOMAIN_PRESETS = {"general": "chat", "agentic": "tiny", "coding": "tiny"}
 
 
@@ -119,12 +119,20 @@ async def build_demos_async(
     preset: str | None = None,
     start: int = 0,
     concurrency: int = 8,
+    effort_weights: dict[str, float] | None = None,
 ) -> list[Demo]:
+    """``n`` demonstrations on the first training tasks of ``domain``, each at an effort drawn uniformly (or by
+    ``effort_weights``), a fraction ``error_rate`` of them wrong on purpose."""
     budgets = budgets or DEFAULT_BUDGETS
     preset = preset or DOMAIN_PRESETS[domain]
     h = Harness(preset, tokenizer=tokenizer)
     rng = random.Random(f"demos|{domain}|{seed}")
-    plan = [(t, rng.choice(EFFORTS), rng.random() < error_rate, random.Random(rng.random()))
+    weights = [float((effort_weights or {}).get(e, 0.0)) for e in EFFORTS] if effort_weights else None
+
+    def effort() -> str:
+        return rng.choices(EFFORTS, weights)[0] if weights else rng.choice(EFFORTS)
+
+    plan = [(t, effort(), rng.random() < error_rate, random.Random(rng.random()))
             for t in get_tasks(domain, "train", n, start=start)]
     local = LocalWorkdirs(workdir=h.preset.workdir)
     sem = asyncio.Semaphore(concurrency)

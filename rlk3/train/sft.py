@@ -6,13 +6,16 @@
    the system prompts and tool syntax cost a handful of tokens, not hundreds.
 3. The model from its preset with ``vocab_size = len(tokenizer)`` (or from ``model.init_from``).
 4. ``trl.SFTTrainer`` on pre-tokenized rows (``input_ids`` + ``assistant_masks``): loss on assistant tokens only.
-5. ``save_pretrained`` of model and tokenizer plus ``sft_manifest.json`` (demo counts, loss curve, wall time).
+5. ``save_pretrained`` of model and tokenizer plus ``sft_manifest.json`` (demo counts, loss curve, timings; the
+   fields are listed in docs/sft.md).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
+import resource
 import time
 from pathlib import Path
 
@@ -44,6 +47,43 @@ def tokenized_rows(demos: list[Demo], tokenizer, max_length: int) -> tuple[list[
     return rows, dropped
 
 
+class BucketedBatches(torch.utils.data.Sampler):
+    """Batches of similar length in random order, drawn afresh each epoch.
+
+    Shuffle, cut into windows of ``window`` batches, sort each window by length, cut it into batches, then shuffle
+    the batches of the whole epoch. A batch pads to its longest row, so a batch of short chat rows no longer pads
+    to a long tool episode (random batches of this mix are about half padding). The order of batches stays
+    random: transformers' length-grouped sampler keeps each sorted window together, and one domain then runs for
+    ten or more steps in a row, which made the loss swing from domain to domain instead of falling.
+    """
+
+    def __init__(self, lengths: list[int], batch_size: int, *, window: int = 8, seed: int = 0):
+        self.lengths, self.batch_size, self.window, self.seed = lengths, batch_size, window, seed
+        self.epoch = 0
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        rng = random.Random(f"{self.seed}|{epoch}")
+        order = list(range(len(self.lengths)))
+        rng.shuffle(order)
+        span = self.batch_size * self.window
+        batches = []
+        for w in range(0, len(order), span):
+            part = sorted(order[w : w + span], key=self.lengths.__getitem__)
+            batches += [part[i : i + self.batch_size] for i in range(0, len(part), self.batch_size)]
+        # the data loader cuts the index stream every batch_size: only the epoch's last batch may be short
+        full = [b for b in batches if len(b) == self.batch_size]
+        rng.shuffle(full)
+        return full + [b for b in batches if len(b) < self.batch_size]
+
+    def __iter__(self):
+        batches = self.batches(self.epoch)
+        self.epoch += 1
+        return (i for b in batches for i in b)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+
 def build_model(cfg, tokenizer) -> K3ForCausalLM:
     if cfg.model.init_from:
         return K3ForCausalLM.from_pretrained(cfg.model.init_from)
@@ -58,18 +98,26 @@ def build_model(cfg, tokenizer) -> K3ForCausalLM:
     return K3ForCausalLM(k3)
 
 
+def _cpu_s(who: int) -> float:
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
+
+
 def run_sft(cfg, log=print) -> Path:
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
     out = Path(cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
+    t0, load_start = time.time(), os.getloadavg()
     demos: list[Demo] = []
     for domain in cfg.tasks.domains:
-        demos += build_demos(domain, cfg.sft.demos_per_domain, error_rate=cfg.sft.demo_error_rate,
-                             seed=cfg.run.seed, preset=DOMAIN_PRESETS[domain])
-    log(f"sft: {len(demos)} demonstrations ({', '.join(cfg.tasks.domains)}) in {time.time() - t0:.1f}s")
+        n = cfg.sft.domain_demos.get(domain, cfg.sft.demos_per_domain)
+        demos += build_demos(domain, n, error_rate=cfg.sft.demo_error_rate, seed=cfg.run.seed,
+                             preset=DOMAIN_PRESETS[domain], effort_weights=dict(cfg.sft.effort_weights) or None)
+    demos_s = time.time() - t0
+    counts = {d: sum(x.domain == d for x in demos) for d in cfg.tasks.domains}
+    log(f"sft: {len(demos)} demonstrations ({', '.join(f'{d} {n}' for d, n in counts.items())}) in {demos_s:.1f}s")
 
     tok = train_tokenizer(render_corpus(demos, None), vocab_size=cfg.sft.vocab_size, out_dir=None)
     rows, dropped = tokenized_rows(demos, tok, cfg.sft.max_length)
@@ -87,36 +135,67 @@ def run_sft(cfg, log=print) -> Path:
         lr_scheduler_type="cosine",
         warmup_steps=cfg.sft.warmup_ratio,  # a float in [0, 1) is a ratio of the total steps
         weight_decay=0.0,
-        logging_steps=5,
+        logging_steps=10,
         save_strategy="no",
         report_to=[],
         use_cpu=not torch.cuda.is_available(),
         bf16=cfg.model.dtype == "bfloat16",
         max_length=cfg.sft.max_length,
-        train_sampling_strategy="group_by_length",
         seed=cfg.run.seed,
         dataloader_num_workers=0,
         disable_tqdm=False,
-        gradient_checkpointing=False,  # a few-M-parameter model has activations to spare; recomputing costs ~30%
+        # TRL's default is on; a few-M-parameter model has activations to spare and recomputing costs ~30%
+        activation_checkpointing=False,
     )
-    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
+
+    class Trainer(SFTTrainer):
+        def _get_train_sampler(self, train_dataset=None):
+            data = train_dataset if train_dataset is not None else self.train_dataset
+            return BucketedBatches([len(x) for x in data["input_ids"]], cfg.sft.batch_size, seed=cfg.run.seed)
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            # the model's own cross-entropy: the mean over the batch's assistant tokens, as TRL's. TRL's default
+            # fused LM-head kernel tiles the vocabulary in Python, which on a CPU made a k3-tiny step ~35% slower
+            out = model(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
+                        labels=inputs["labels"])
+            return (out.loss, out) if return_outputs else out.loss
+
+    trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
+    cpu_train = _cpu_s(resource.RUSAGE_SELF)
     result = trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    cpu_train = _cpu_s(resource.RUSAGE_SELF) - cpu_train
     model.save_pretrained(out)
     tok.save_pretrained(out)
+    curve = [[h["step"], round(h["loss"], 4)] for h in trainer.state.log_history if "loss" in h]
+    runtime = result.metrics.get("train_runtime")
     manifest = {
         "stage": "sft",
-        "demonstrations": {d: sum(x.domain == d for x in demos) for d in cfg.tasks.domains},
+        "demonstrations": counts,
         "imperfect_demonstrations": sum(not d.correct for d in demos),
+        "efforts": {e: sum(d.effort == e for d in demos) for e in ("low", "medium", "high")},
         "rows": len(rows),
         "dropped_over_max_length": dropped,
         "tokens": sum(lengths),
-        "loss_first": losses[0] if losses else None,
-        "loss_last": losses[-1] if losses else None,
-        "train_runtime_s": result.metrics.get("train_runtime"),
-        "wall_s": time.time() - t0,
+        "vocab_size": len(tok),
+        "model": {"preset": cfg.model.preset, "overrides": dict(cfg.model.overrides),
+                  "parameters": sum(p.numel() for p in model.parameters())},
+        "epochs": cfg.sft.epochs,
+        "steps": trainer.state.global_step,
+        "batch_size": cfg.sft.batch_size,
+        "lr": cfg.sft.lr,
+        "loss_first": curve[0][1] if curve else None,
+        "loss_last": curve[-1][1] if curve else None,
+        "loss_curve": curve,  # [step, mean loss of the last logging_steps steps]
+        "torch_threads": torch.get_num_threads(),
+        "demos_s": round(demos_s, 1),
+        "train_runtime_s": runtime,
+        "train_tokens_per_s": round(sum(lengths) * cfg.sft.epochs / runtime) if runtime else None,
+        "train_cpu_s": round(cpu_train, 1),  # about the training wall time a quiet machine would take (1 thread)
+        "wall_s": round(time.time() - t0, 1),
+        "load_average": [round(x, 2) for x in (load_start[0], os.getloadavg()[0])],  # 1-min, at start and end
     }
     (out / "sft_manifest.json").write_text(json.dumps(manifest, indent=2))
-    log(f"sft: done in {manifest['wall_s']:.0f}s, loss {manifest['loss_first']} -> {manifest['loss_last']}; "
-        f"checkpoint in {out}")
+    log(f"sft: done in {manifest['wall_s']:.0f}s (demonstrations {demos_s:.0f}s, training {runtime:.0f}s for "
+        f"{manifest['steps']} steps), loss {manifest['loss_first']} -> {manifest['loss_last']}, load average "
+        f"{manifest['load_average']}; checkpoint in {out}")
     return out

@@ -34,13 +34,17 @@ def test_composes_defaults_file_and_overrides(tmp_path):
         ("defaults: [stage/rl]\n", ["tasks.domains=[math]"], r"tasks.domains\[0\] must be one of \['general'"),
         ("defaults: [stage/rl]\n", ["model.preset=k3-huge"], r"model.preset must be one of \['k3-full', 'k3-small'"),
         ("defaults: [stage/rl]\n", ["rollout.group_size=abc"], r"rollout.group_size"),
-        ("defaults: [stage/rl, effort/low]\n", ["effort.budget_start=50"], r"must be 0 or >= effort.budget \(96\)"),
+        ("defaults: [stage/rl, effort/low]\n", ["effort.budget_start=50"], r"must be 0 or >= effort.budget \(128\)"),
         ("defaults: [stage/rl]\n", ["model.init_from=/nonexistent"], r"checkpoint directory '/nonexistent' does not"),
         ("defaults: [stage/mopd]\n", [], r"mopd.teachers is empty"),
         ("defaults: [stage/mopd]\n", ["mopd.teachers={math/high: x}"], r"mopd.teachers key 'math/high'"),
         ("defaults: [stage/nope]\n", [], r"no config fragment 'stage/nope'.*available: .*stage/rl"),
         ("rollout:\n  lam: 0.5\n", [], r"missing required keys \['run.stage'\]"),
         ("defaults: [stage/rl]\n", ["rollout.lam"], r"must look like key=value"),
+        ("defaults: [stage/sft]\n", ["sft.domain_demos={math: 10}"], r"sft.domain_demos key must be one of \["),
+        ("defaults: [stage/sft]\n", ["sft.domain_demos={general: 0}"], r"sft.domain_demos.general must be in \[1,"),
+        ("defaults: [stage/sft]\n", ["sft.effort_weights={max: 1}"], r"sft.effort_weights key must be one of \['low'"),
+        ("defaults: [stage/sft]\n", ["sft.effort_weights={low: 0}"], r"sft.effort_weights must have a positive sum"),
     ],
 )
 def test_bad_configs_name_the_key_and_valid_values(tmp_path, text, overrides, match):
