@@ -349,7 +349,8 @@ class AgentLoop:
             if self.sandboxes is None:
                 raise LoopError(f"preset {h.preset.name!r} (domain {task.domain}) has tools: pass sandboxes=")
             if traj.sandbox_id is None:
-                traj.sandbox_id = await self.sandboxes.create(task, h.preset.workdir)
+                if not await self._create_sandbox(task, traj, h):
+                    return  # environment failure: FAILED recorded
             elif st.pop("sandbox_paused", False):
                 await self.sandboxes.resume(traj.sandbox_id)
         while True:
@@ -484,6 +485,23 @@ class AgentLoop:
                 return None
             traj.metrics.setdefault("recoveries", []).append(failure)
         return None
+
+    async def _create_sandbox(self, task: Task, traj: Trajectory, h: Harness) -> bool:
+        """The episode's sandbox, with one retry: under load a sandbox's agent can drop its connection while the
+        task files are written (seen as a connection reset in RL on two cores). A second failure fails this episode
+        cleanly rather than the whole iteration."""
+        errors = []
+        for _ in range(2):
+            try:
+                traj.sandbox_id = await self.sandboxes.create(task, h.preset.workdir)
+                if errors:
+                    traj.metrics.setdefault("recoveries", []).append({"error": errors[0], "turn": 0})
+                return True
+            except Exception as e:  # the provider kills a half-made sandbox before raising
+                errors.append(f"{type(e).__name__}: {e}"[:500])
+        traj.status = Status.FAILED
+        traj.metrics["failure"] = {"error": errors[-1], "turn": 0, "stage": "create", "attempts": len(errors)}
+        return False
 
     async def _alive(self, sid: str | None) -> bool:
         if sid is None:

@@ -125,3 +125,39 @@ def test_without_a_snapshot_the_episode_fails_cleanly(fitted, tmp_path):
     assert traj.metrics["failure"]["recovered"] is False and traj.metrics["failure"]["error"]
     assert traj.reward == 0.0 and any(r.startswith("environment_failed") for r in traj.metrics["grade_reasons"])
     traj.validate()
+
+
+class KillWhileWritingFiles(E2BEpisodeSandboxes):
+    """The sandbox dies while the task's files are written into it (under load a sandbox agent can drop its
+    connection then); ``fail_times`` creations fail this way."""
+
+    fail_times = 1
+    killed: list[str] = []
+
+    async def create(self, task, workdir):
+        if len(self.killed) < self.fail_times:
+            sid = await self.client.create(task.template, timeout=self.timeout_s)
+            self.killed.append(sid)
+            await self.client.kill(sid)
+            await self.client.write(sid, f"{workdir}/x", "x")  # raises: the sandbox is gone
+        return await super().create(task, workdir)
+
+
+def test_a_sandbox_that_dies_while_created_is_created_again(fitted, tmp_path):
+    model, tok, demo = fitted
+    KillWhileWritingFiles.killed, KillWhileWritingFiles.fail_times = [], 1
+    traj = episode(model, tok, demo, tmp_path, sandboxes_cls=KillWhileWritingFiles)
+    assert len(KillWhileWritingFiles.killed) == 1
+    assert traj.metrics["recoveries"][0]["turn"] == 0 and traj.metrics["recoveries"][0]["error"]
+    assert traj.status == Status.FINISHED and traj.reward == 1.0, traj.metrics["grade_reasons"]
+
+
+def test_a_sandbox_that_cannot_be_created_fails_the_episode_not_the_run(fitted, tmp_path):
+    model, tok, demo = fitted
+    KillWhileWritingFiles.killed, KillWhileWritingFiles.fail_times = [], 2
+    traj = episode(model, tok, demo, tmp_path, sandboxes_cls=KillWhileWritingFiles)
+    assert len(KillWhileWritingFiles.killed) == 2
+    assert traj.status == Status.FAILED and traj.num_generated == 0
+    assert traj.metrics["failure"]["stage"] == "create" and traj.metrics["failure"]["attempts"] == 2
+    assert traj.reward == 0.0 and any(r.startswith("environment_failed") for r in traj.metrics["grade_reasons"])
+    traj.validate()
