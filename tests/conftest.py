@@ -16,20 +16,20 @@ def _seed():
 
 @pytest.fixture(scope="session")
 def sft_run(tmp_path_factory):
-    """The SFT stage exactly as configs/sft-tiny.yaml runs it (CPU, 2 threads), once per session: the checkpoint
-    the slow RL/MOPD tests start from and the SFT acceptance test grades. Returns (checkpoint dir, manifest)."""
+    """The SFT stage as `python -m rlk3 sft configs/sft-tiny.yaml` runs it (CPU, the config's thread count), once
+    per session: the checkpoint the SFT acceptance test grades and later stages can start from.
+    Returns (checkpoint dir, manifest)."""
     import json
 
+    from rlk3 import pipeline
     from rlk3.config import CONFIG_DIR, load_config
-    from rlk3.train.sft import run_sft
 
     out = tmp_path_factory.mktemp("sft")
-    cfg = load_config(CONFIG_DIR / "sft-tiny.yaml", [f"run.output_dir={out}", "run.stage=sft", "cluster.cpu_threads=2"])
+    cfg = load_config(CONFIG_DIR / "sft-tiny.yaml", [f"run.output_dir={out}", "run.stage=sft"])
     threads = torch.get_num_threads()
-    torch.set_num_threads(2)
     try:
         torch.manual_seed(cfg.run.seed)
-        path = run_sft(cfg, log=print)
+        assert pipeline.run_stage(cfg) == 0  # sets torch's threads to cluster.cpu_threads
     finally:
         torch.set_num_threads(threads)
-    return path, json.loads((path / "sft_manifest.json").read_text())
+    return out, json.loads((out / "sft_manifest.json").read_text())
