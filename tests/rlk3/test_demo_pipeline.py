@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from rlk3.config import load_config
+from rlk3.rollout.demos import DEFAULT_BUDGETS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,7 +42,7 @@ def test_demo_pipeline_at_toy_scale(general_policy, tmp_path):
     for key, path in teachers.items():
         man = json.loads((Path(path) / "manifest.json").read_text())
         assert man["domains"] == [key.split("/")[0]] and man["effort"] == key.split("/")[1]
-        assert man["budget"] == {"low": 96, "medium": 192, "high": 384}[man["effort"]]
+        assert man["budget"] == DEFAULT_BUDGETS[man["effort"]]  # each teacher ends at its effort's budget
     assert any("teacher-general-medium from" in x and "teacher-general-high" in x for x in lines)
     ev = json.loads((root / "eval.json").read_text())
     names = [m["name"] for m in ev["models"]]
