@@ -158,6 +158,21 @@ def old_combine():
         yield
 
 
+def record_layer_outputs(runner) -> list:
+    """Wrap the runner's per-layer mixers so every call appends (name, a copy of its output) to the returned list."""
+    record: list = []
+    for name in ("_kda", "_mla", "_feed_forward"):
+        original = getattr(runner, name)
+
+        def wrap(*args, original=original, name=name):
+            out = original(*args)
+            record.append((name, out.clone()))
+            return out
+
+        setattr(runner, name, wrap)
+    return record
+
+
 def bisect(model, prompts, repeats=4):
     """Runs a prefill step, then a decode step, ``repeats`` times each on the same pool state and names the first
     op (layer, kind) whose output is not bit-identical across the repeats."""
@@ -172,16 +187,7 @@ def bisect(model, prompts, repeats=4):
             engine.step()
         plan = engine.scheduler.schedule()
         batch = engine._batch(plan)
-        record: list = []
-        for name in ("_kda", "_mla", "_feed_forward"):
-            original = getattr(engine.runner, name)
-
-            def wrap(*args, original=original, name=name, record=record):
-                out = original(*args)
-                record.append((name, out.clone()))
-                return out
-
-            setattr(engine.runner, name, wrap)
+        record = record_layer_outputs(engine.runner)
         state = engine.pool.storage.clone()
         runs = []
         for _ in range(repeats):
@@ -272,27 +278,10 @@ def pad():
     n = batch.num_decode
     graphs = DecodeGraphs(engine.runner, engine.pool, engine.config)
     size = next(s for s in graphs.sizes if s >= n)
-    # the static inputs, as DecodeGraphs.run fills them
-    graphs.input_ids[:n] = batch.input_ids
-    graphs.slot_pages[:n] = batch.slot_pages
-    graphs.block_tables[:n, : batch.block_tables.shape[1]] = batch.block_tables
-    graphs.block_tables[:n, batch.block_tables.shape[1]:] = graphs.scratch[-1]
-    graphs.seq_lens[:n] = batch.seq_lens
-    graphs.write_pages[:n] = batch.write_pages
-    graphs.write_offsets[:n] = batch.write_offsets
-    graphs._reset_rows(n, size)
+    graphs.load(batch, size)  # the static inputs, as DecodeGraphs.run fills them
     padded = graphs._batch(size)
 
-    record: list = []
-    for name in ("_kda", "_mla", "_feed_forward"):
-        original = getattr(engine.runner, name)
-
-        def wrap(*args, original=original, name=name, record=record):
-            out = original(*args)
-            record.append((name, out.clone()))
-            return out
-
-        setattr(engine.runner, name, wrap)
+    record = record_layer_outputs(engine.runner)
     linears: list = []
     hooks = [m.register_forward_hook(lambda mod, i, o, name=name: linears.append((name, i[0].clone(), o.clone())))
              for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]

@@ -102,14 +102,10 @@ class DecodeGraphs:
         finally:
             self.runner.sync_ok = True
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """Logits of a decode-only batch by graph replay, or None when no captured size fits (run it eagerly)."""
+    def load(self, batch: ForwardBatch, size: int) -> None:
+        """Copy a decode batch of ``n <= size`` rows into the static inputs the graph of ``size`` reads; rows past
+        ``n`` are reset to the scratch slot."""
         n = batch.num_decode
-        size = next((s for s in self.sizes if s >= n), None)
-        if size is None or batch.prefill_lens or batch.block_tables.shape[1] > self.width:
-            return None
-        if size not in self.graphs:
-            self._capture(size)
         self.input_ids[:n] = batch.input_ids
         self.slot_pages[:n] = batch.slot_pages
         self.block_tables[:n, : batch.block_tables.shape[1]] = batch.block_tables
@@ -118,5 +114,15 @@ class DecodeGraphs:
         self.write_pages[:n] = batch.write_pages
         self.write_offsets[:n] = batch.write_offsets
         self._reset_rows(n, size)
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """Logits of a decode-only batch by graph replay, or None when no captured size fits (run it eagerly)."""
+        n = batch.num_decode
+        size = next((s for s in self.sizes if s >= n), None)
+        if size is None or batch.prefill_lens or batch.block_tables.shape[1] > self.width:
+            return None
+        if size not in self.graphs:
+            self._capture(size)
+        self.load(batch, size)
         self.graphs[size].replay()
         return self.outputs[size][:n]
