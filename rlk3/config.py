@@ -104,6 +104,8 @@ class TrainConfig:
     kl_coef: float = 0.0
     aggregation: str = "token-mean"
     micro_batch_tokens: int = 4096
+    minibatches: int = 1  # optimizer steps per iteration, each on 1/minibatches of the batch (verl: ppo_mini_batch)
+    ppo_epochs: int = 1  # passes over the batch per iteration; >1 update against one π_old (the PPO clip's job)
     qb_update: bool = True  # Quantile Balancing bias update after each step
     qb_bins: int = 1000
     dead_signal_patience: int = 5  # warn, then stop after this many steps without a learning signal
@@ -332,6 +334,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.is_low/is_high must satisfy 0 < is_low <= 1 <= is_high, got {t.is_low}, {t.is_high}")
     _range("train.kl_coef", t.kl_coef, 0)
     _range("train.dead_signal_patience", t.dead_signal_patience, 1)
+    _range("train.minibatches", t.minibatches, 1)
+    _range("train.ppo_epochs", t.ppo_epochs, 1)
+    per_iteration = cfg.rollout.groups_per_iteration * cfg.rollout.group_size
+    if t.minibatches > per_iteration:
+        raise ConfigError(f"train.minibatches={t.minibatches} is more than the {per_iteration} samples an iteration "
+                          f"trains on (rollout.groups_per_iteration x rollout.group_size); use at most {per_iteration}")
     if cfg.run.stage == "mopd":
         if not cfg.mopd.teachers:
             raise ConfigError("mopd.teachers is empty: map each 'domain/effort' the student trains on to a checkpoint")

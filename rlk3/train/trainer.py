@@ -1,4 +1,4 @@
-"""The RL trainer: one optimizer step on a batch of graded trajectories.
+"""The RL trainer: one policy update on a batch of graded trajectories.
 
     advantages  group-normalised outcome rewards (GRPO / RLOO / REINFORCE), or per-token MOPD rewards
     log-probs   recomputed under the current weights at the sampling temperature, on generated tokens only
@@ -6,8 +6,15 @@
                 masked IS), optional k3 KL to a reference, token-level aggregation over the whole batch
     QB          Quantile Balancing: every router's scores from this step's forward passes set its routing bias
 
+    updates     ``minibatches`` × ``ppo_epochs`` optimizer steps per batch (verl's ppo_mini_batch_size and
+                ppo_epochs): the batch is split into minibatches after the advantages are computed, and every step's
+                PPO ratio is taken against the log-probs of the weights the batch started from (π_old) — the
+                situation the clip is for. One update (the default) is plain on-policy policy gradient.
+
 Single process on CPU (and on one GPU). Micro-batches are packed by token count; the loss of each is scaled so
-that the sum over micro-batches is the batch's aggregate, whatever the packing.
+that the sum over micro-batches is its minibatch's aggregate, whatever the packing. The policy version counts
+updates published to the engine (one per :meth:`Trainer.step`), not optimizer steps: staleness is measured in
+what the sampler saw.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ class Batch:
     mask: torch.Tensor  # [B, T-1] 1 on generated target tokens
     behaviour: torch.Tensor  # [B, T-1] behaviour logprobs on targets (0 elsewhere)
     adv: torch.Tensor  # [B, T-1] per-token advantages
+    old: torch.Tensor | None = None  # [B, T-1] π_old log-probs (several updates per batch only)
 
 
 class Trainer:
@@ -50,7 +58,7 @@ class Trainer:
         )
         params = [p for p in model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
-        self.version = 0  # optimizer steps taken = the policy version the engine gets next
+        self.version = 0  # updates published = the policy version the engine gets next
         self.dead_steps = 0
         self.routers = [m for m in model.modules() if hasattr(m, "pop_scores")]
 
@@ -98,19 +106,65 @@ class Trainer:
         return out
 
     def step(self, trajs: list[Trajectory]) -> dict[str, float]:
-        """One optimizer step on graded trajectories (failed ones are dropped). Returns metrics."""
+        """One policy update (``minibatches × ppo_epochs`` optimizer steps) on graded trajectories; failed ones
+        are dropped. Returns metrics."""
         trajs = [t for t in trajs if t.status != Status.FAILED and t.num_generated > 0]
         metrics: dict[str, float] = {"train/sequences": len(trajs)}
         if not trajs:
             return self._dead(metrics, "no trainable trajectories")
         advs = self.advantages(trajs)
-        batches = self._pack(trajs, advs)
+        n_mini = min(self.cfg.minibatches, len(trajs))
+        epochs = self.cfg.ppo_epochs
+        self.model.train()
+        if n_mini * epochs == 1:
+            plan = [self._pack(trajs, advs)]
+        else:
+            # Minibatches from a permutation seeded by the version: deterministic (resume is bit-identical)
+            # without another RNG stream in the checkpoint.
+            perm = torch.randperm(len(trajs), generator=torch.Generator().manual_seed(1_000_003 + self.version))
+            parts = [perm[i::n_mini].tolist() for i in range(n_mini)]
+            packed = [self._pack([trajs[i] for i in ix], [advs[i] for i in ix]) for ix in parts]
+            self._old_logprobs([b for mb in packed for b in mb])
+            plan = [mb for _ in range(epochs) for mb in packed]
+        sums: dict[str, float] = {}
+        norms = []
+        for batches in plan:
+            norms.append(self._update(batches, sums))
+        self.version += 1
+        n_tok = max(sums.get("tokens", 1.0), 1.0)
+        for k, v in sums.items():
+            metrics[f"train/{k}"] = v if k in ("tokens", "is_weight_max") else v / n_tok
+        metrics["train/tokens"] = sums.get("tokens", 0.0) / epochs
+        grad_norm = sum(norms) / len(norms)
+        metrics["train/grad_norm"] = grad_norm
+        metrics["train/updates"] = len(plan)
+        metrics["train/version"] = self.version
+        if self.routers:
+            metrics["train/qb_bias_absmax"] = max(float(r.e_score_correction_bias.abs().max()) for r in self.routers)
+        rewards = torch.tensor([float(t.reward or 0.0) for t in trajs])
+        spread = reward_spread(rewards, [t.group_id for t in trajs])
+        mopd = all(t.token_rewards is not None for t in trajs)
+        why = None
+        if not mopd and bool((spread == 0).all()):
+            why = "every group has zero reward spread"
+        elif all(t.status == Status.TRUNCATED for t in trajs):
+            why = "every sample was truncated"
+        elif grad_norm == 0.0:
+            why = "the gradient is zero"
+        return self._dead(metrics, why) if why else self._alive(metrics)
+
+    @torch.no_grad()
+    def _old_logprobs(self, batches: list[Batch]) -> None:
+        """π_old: the log-probs of the weights this batch started from, fixed for all of its optimizer steps."""
+        for b in batches:
+            b.old, _ = token_logprobs(self.model(b.ids).logits[:, :-1], b.ids[:, 1:], self.temperature)
+
+    def _update(self, batches: list[Batch], sums: dict[str, float]) -> float:
+        """One optimizer step on the micro-batches of one minibatch; accumulates metrics into ``sums``."""
         total_tokens = sum(float(b.mask.sum()) for b in batches)
         total_seqs = sum(b.ids.shape[0] for b in batches)
-        self.model.train()
         for r in self.routers:
             r.record_scores = self.cfg.qb_update
-        sums: dict[str, float] = {}
         for b in batches:
             out = self.model(b.ids)
             logp, ent = token_logprobs(out.logits[:, :-1], b.ids[:, 1:], self.temperature)
@@ -118,7 +172,8 @@ class Trainer:
             if self.ref_model is not None and self.cfg.kl_coef > 0:
                 with torch.no_grad():
                     ref, _ = token_logprobs(self.ref_model(b.ids).logits[:, :-1], b.ids[:, 1:], self.temperature)
-            loss, m = policy_loss(logp, b.behaviour, b.adv, b.mask, self.loss_cfg, ref_logp=ref, entropy=ent)
+            loss, m = policy_loss(logp, b.behaviour, b.adv, b.mask, self.loss_cfg, old_logp=b.old, ref_logp=ref,
+                                  entropy=ent)
             weight = (float(b.mask.sum()) / max(total_tokens, 1.0) if self.cfg.aggregation == "token-mean"
                       else b.ids.shape[0] / total_seqs)
             (loss * weight).backward()
@@ -134,24 +189,8 @@ class Trainer:
             raise FloatingPointError(f"non-finite gradient norm {grad_norm}: the step was skipped")
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        self._quantile_balance(metrics)
-        self.version += 1
-        n_tok = max(sums.get("tokens", 1.0), 1.0)
-        for k, v in sums.items():
-            metrics[f"train/{k}"] = v if k in ("tokens", "is_weight_max") else v / n_tok
-        metrics["train/grad_norm"] = grad_norm
-        metrics["train/version"] = self.version
-        rewards = torch.tensor([float(t.reward or 0.0) for t in trajs])
-        spread = reward_spread(rewards, [t.group_id for t in trajs])
-        mopd = all(t.token_rewards is not None for t in trajs)
-        why = None
-        if not mopd and bool((spread == 0).all()):
-            why = "every group has zero reward spread"
-        elif all(t.status == Status.TRUNCATED for t in trajs):
-            why = "every sample was truncated"
-        elif grad_norm == 0.0:
-            why = "the gradient is zero"
-        return self._dead(metrics, why) if why else self._alive(metrics)
+        self._quantile_balance()
+        return grad_norm
 
     def _alive(self, metrics):
         self.dead_steps = 0
@@ -171,7 +210,7 @@ class Trainer:
         return metrics
 
     @torch.no_grad()
-    def _quantile_balance(self, metrics) -> None:
+    def _quantile_balance(self) -> None:
         for r in self.routers:
             r.record_scores = False
             scores = r.pop_scores()
@@ -179,8 +218,6 @@ class Trainer:
                 continue
             bias = quantile_balancing_bias(scores, r.e_score_correction_bias, r.top_k)
             r.e_score_correction_bias.copy_(bias)
-        if self.routers:
-            metrics["train/qb_bias_absmax"] = max(float(r.e_score_correction_bias.abs().max()) for r in self.routers)
 
     # ------------------------------------------------------------------ weights and state
 

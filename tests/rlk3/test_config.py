@@ -45,6 +45,8 @@ def test_composes_defaults_file_and_overrides(tmp_path):
         ("defaults: [stage/sft]\n", ["sft.domain_demos={general: 0}"], r"sft.domain_demos.general must be in \[1,"),
         ("defaults: [stage/sft]\n", ["sft.effort_weights={max: 1}"], r"sft.effort_weights key must be one of \['low'"),
         ("defaults: [stage/sft]\n", ["sft.effort_weights={low: 0}"], r"sft.effort_weights must have a positive sum"),
+        ("defaults: [stage/rl]\n", ["train.ppo_epochs=0"], r"train.ppo_epochs must be in \[1, inf\], got 0"),
+        ("defaults: [stage/rl]\n", ["train.minibatches=64"], r"train.minibatches=64 is more than the 32 samples"),
     ],
 )
 def test_bad_configs_name_the_key_and_valid_values(tmp_path, text, overrides, match):
