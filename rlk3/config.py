@@ -95,6 +95,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     estimator: str = "grpo"  # grpo | rloo | reinforce
     scale_advantages: bool = True
+    negative_scale: float = 1.0  # weight on below-baseline advantages (0: positive sample reinforcement only)
     clip_low: float = 0.2
     clip_high: float = 0.28
     is_mode: str = "truncate"  # truncate | mask | none
@@ -334,6 +335,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.is_low/is_high must satisfy 0 < is_low <= 1 <= is_high, got {t.is_low}, {t.is_high}")
     _range("train.kl_coef", t.kl_coef, 0)
     _range("train.dead_signal_patience", t.dead_signal_patience, 1)
+    _range("train.negative_scale", t.negative_scale, 0, 1)
     _range("train.minibatches", t.minibatches, 1)
     _range("train.ppo_epochs", t.ppo_epochs, 1)
     per_iteration = cfg.rollout.groups_per_iteration * cfg.rollout.group_size

@@ -69,7 +69,8 @@ class Trainer:
         if all(t.token_rewards is not None for t in trajs):  # MOPD: per-token rewards (+ α·outcome, added before)
             return [torch.tensor(t.token_rewards, dtype=torch.float32) for t in trajs]
         rewards = torch.tensor([float(t.reward) for t in trajs])
-        adv = group_advantages(rewards, [t.group_id for t in trajs], self.cfg.estimator, self.cfg.scale_advantages)
+        adv = group_advantages(rewards, [t.group_id for t in trajs], self.cfg.estimator, self.cfg.scale_advantages,
+                               negative_scale=self.cfg.negative_scale)
         return [torch.full((t.num_generated,), float(a)) for t, a in zip(trajs, adv)]
 
     def _pack(self, trajs: list[Trajectory], advs: list[torch.Tensor]) -> list[Batch]:

@@ -25,3 +25,17 @@ def test_rloo_is_leave_one_out_and_reinforce_uses_the_batch_mean():
 def test_bad_estimator_named():
     with pytest.raises(ValueError, match=r"must be one of \['grpo', 'rloo', 'reinforce'\], got 'ppo'"):
         group_advantages(torch.zeros(2), ["a", "a"], "ppo")
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce"])
+def test_negative_scale_shrinks_only_below_baseline_advantages(estimator):
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.5])
+    g = ["a"] * 4 + ["b"] * 4
+    full = group_advantages(r, g, estimator)
+    for s in (0.0, 0.25):
+        got = group_advantages(r, g, estimator, negative_scale=s)
+        assert torch.equal(got[full >= 0], full[full >= 0])
+        assert torch.allclose(got[full < 0], s * full[full < 0])
+    assert (group_advantages(r, g, estimator, negative_scale=0.0) >= 0).all()
+    with pytest.raises(ValueError, match=r"negative_scale must be in \[0, 1\], got 1.5"):
+        group_advantages(r, g, estimator, negative_scale=1.5)
