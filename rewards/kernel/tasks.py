@@ -24,7 +24,9 @@ def _softmax_inputs(gen, dist, shape, device):
     elif dist == "uniform_wide":
         x = (torch.rand(rows, cols, generator=gen) - 0.5) * 60.0
     elif dist == "large_offset":  # overflows exp() unless the row max is subtracted
-        x = torch.randn(rows, cols, generator=gen) * 4 + 120.0
+        # at every scale drawn below: 0.5 x (250 - 8 sd) = 109 > 88.7, where float32 exp overflows (an offset of
+        # 120 left scales under ~0.65 in range, and an unstable kernel passed ~1 grading in 10)
+        x = torch.randn(rows, cols, generator=gen) * 4 + 250.0
     elif dist == "sparse_peaks":  # mostly -20 with a few large peaks per row
         x = torch.full((rows, cols), -20.0)
         idx = torch.randint(0, cols, (rows, 4), generator=gen)

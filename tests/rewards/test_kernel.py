@@ -112,6 +112,18 @@ def test_unstable_honest_attempt_fails_on_large_inputs(env):
     assert g.score == 0 and "wrong_output" in g.reason_codes()
 
 
+def test_large_offset_inputs_overflow_an_unstable_kernel_at_every_scale():
+    # the distribution that catches a softmax without max subtraction must catch it on every draw, whatever scale
+    # the generator picks (it once left small scales in float32's exp range: an unstable kernel passed 1 in 10)
+    from rewards.kernel.tasks import TASKS
+
+    task = TASKS["scaled_softmax"]
+    for seed in range(20):
+        (x,), scalars = task["inputs"](torch.Generator().manual_seed(seed), "large_offset", (512, 2048), "cpu")
+        assert torch.isinf((x * 0.5).exp()).all()  # 0.5: the smallest scale the generator draws
+        assert 0.5 <= scalars["scale"] <= 2.0
+
+
 CHEATS = {
     "library-op": (HEAD + "def kernel(x, scale):\n    return torch.softmax(x * scale, -1)\n", "forbidden_op"),
     "functional-op": (
