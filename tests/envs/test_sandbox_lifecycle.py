@@ -49,6 +49,18 @@ async def read_int(sbx: AsyncSandbox, path: str = "/tmp/counter") -> int:
     return int((await sbx.commands.run(f"cat {path}")).stdout.strip())
 
 
+async def counts_past(sbx: AsyncSandbox, value: int, within_s: float = 10.0) -> bool:
+    """Whether the counter loop gets past ``value`` within ``within_s``: the loop is alive. Polled rather than read
+    once after a fixed sleep — on a loaded 2-core machine eight gVisor children can take longer than 0.2 s to be
+    scheduled — while a loop that never runs still fails."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if await read_int(sbx) > value:
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
 def test_commands_stdout_stderr_exit_codes_and_timeouts(server, backend):
     async def go():
         sbx = await AsyncSandbox.create(metadata=on(backend))
@@ -175,8 +187,7 @@ def test_memory_pause_frees_the_host_and_resume_continues_the_counter(server, ba
             after = await read_int(resumed)
             # the shell loop continued from its own memory: not restarted at 1, not advanced while paused
             assert at_pause <= after <= at_pause + 8, (at_pause, after)
-            await asyncio.sleep(0.3)
-            assert await read_int(resumed) > after
+            assert await counts_past(resumed, after)
             assert await resumed.files.read("/home/user/keep.txt") == "kept"
             # the same server process, on a loopback that is up again, answers
             assert "served" in (await resumed.commands.run(FETCH)).stdout
@@ -252,8 +263,7 @@ def test_snapshot_and_start_from_snapshot(server, backend):
                 # its counter continues from the snapshot's memory (a child with only the disk would hold
                 # the file's value still)
                 assert c >= at_snap - 3, (at_snap, c)
-                await asyncio.sleep(0.3)
-                assert await read_int(child) > c  # and it runs
+                assert await counts_past(child, c)  # and it runs
                 assert await sbx.files.read("/home/user/state.txt") == "v2"
             finally:
                 await child.kill()
@@ -291,8 +301,7 @@ def test_fork_eight_children_diverge_and_parent_unchanged(server, backend):
                 # the running loop came along (a child with the files but not the processes would hold the
                 # file's value still): it counts on from where the parent was, however far by now
                 assert c >= at_fork - 3, (i, at_fork, c)
-                await asyncio.sleep(0.2)
-                assert await read_int(k) > c
+                assert await counts_past(k, c)
                 await k.files.write("/home/user/mine.txt", f"child {i}")
 
             await asyncio.gather(*(check(i, k) for i, k in enumerate(kids)))
@@ -301,8 +310,7 @@ def test_fork_eight_children_diverge_and_parent_unchanged(server, backend):
             assert not await parent.files.exists("/home/user/mine.txt")
             assert await parent.files.read("/home/user/shared.txt") == "from parent"
             p1 = await read_int(parent)
-            await asyncio.sleep(0.3)
-            assert await read_int(parent) > p1  # the parent still runs its own counter
+            assert await counts_past(parent, p1)  # the parent still runs its own counter
             await kids[0].kill()
             assert await kids[1].files.read("/home/user/mine.txt") == "child 1"
         finally:
