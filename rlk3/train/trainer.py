@@ -43,6 +43,7 @@ class Batch:
     behaviour: torch.Tensor  # [B, T-1] behaviour logprobs on targets (0 elsewhere)
     adv: torch.Tensor  # [B, T-1] per-token advantages
     old: torch.Tensor | None = None  # [B, T-1] π_old log-probs (several updates per batch only)
+    ref: torch.Tensor | None = None  # [B, T-1] reference log-probs for the KL term, computed once per batch
 
 
 class Trainer:
@@ -132,10 +133,10 @@ class Trainer:
         for batches in plan:
             norms.append(self._update(batches, sums))
         self.version += 1
-        n_tok = max(sums.get("tokens", 1.0), 1.0)
+        n_tok = max(sums.get("tokens", 1.0), 1.0)  # token-weighted means over every optimizer step
         for k, v in sums.items():
-            metrics[f"train/{k}"] = v if k in ("tokens", "is_weight_max") else v / n_tok
-        metrics["train/tokens"] = sums.get("tokens", 0.0) / epochs
+            metrics[f"train/{k}"] = v if k == "is_weight_max" else v / n_tok
+        metrics["train/tokens"] = sums.get("tokens", 0.0) / epochs  # the batch's tokens, counted once
         grad_norm = sum(norms) / len(norms)
         metrics["train/grad_norm"] = grad_norm
         metrics["train/updates"] = len(plan)
@@ -169,11 +170,10 @@ class Trainer:
         for b in batches:
             out = self.model(b.ids)
             logp, ent = token_logprobs(out.logits[:, :-1], b.ids[:, 1:], self.temperature)
-            ref = None
-            if self.ref_model is not None and self.cfg.kl_coef > 0:
+            if b.ref is None and self.ref_model is not None and self.cfg.kl_coef > 0:  # fixed: once, not per epoch
                 with torch.no_grad():
-                    ref, _ = token_logprobs(self.ref_model(b.ids).logits[:, :-1], b.ids[:, 1:], self.temperature)
-            loss, m = policy_loss(logp, b.behaviour, b.adv, b.mask, self.loss_cfg, old_logp=b.old, ref_logp=ref,
+                    b.ref, _ = token_logprobs(self.ref_model(b.ids).logits[:, :-1], b.ids[:, 1:], self.temperature)
+            loss, m = policy_loss(logp, b.behaviour, b.adv, b.mask, self.loss_cfg, old_logp=b.old, ref_logp=b.ref,
                                   entropy=ent)
             weight = (float(b.mask.sum()) / max(total_tokens, 1.0) if self.cfg.aggregation == "token-mean"
                       else b.ids.shape[0] / total_seqs)

@@ -140,3 +140,16 @@ def test_minibatches_and_epochs_take_several_steps_against_one_old_policy(model)
     Trainer(m2, cfg(lr=3e-2, minibatches=2, ppo_epochs=2, clip_low=0.05, clip_high=0.05)).step(copy.deepcopy(trajs))
     assert all(torch.equal(x, y) for x, y in zip(m.parameters(), m2.parameters()))
 
+
+
+def test_kl_reference_is_computed_once_per_batch_and_anchors(model):
+    trajs = [traj(model, f"u{i}", f"g{i // 4}", float(i % 2), seed=i, gen=5) for i in range(8)]
+    ref = copy.deepcopy(model)
+    calls = []
+    inner = ref.forward
+    ref.forward = lambda *a, **k: (calls.append(1), inner(*a, **k))[1]
+    tr = Trainer(copy.deepcopy(model), cfg(lr=3e-2, kl_coef=0.5, minibatches=2, ppo_epochs=3), ref_model=ref)
+    metrics = tr.step(copy.deepcopy(trajs))
+    assert metrics["train/updates"] == 6
+    assert len(calls) == 2  # one forward per micro-batch (one per minibatch here), not one per epoch
+    assert metrics["train/kl_ref"] > 0  # the policy moved away from the reference within the update
