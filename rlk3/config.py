@@ -91,6 +91,8 @@ class RolloutConfig:
 @dataclass
 class TrainConfig:
     lr: float = 1e-4
+    warmup_steps: int = 0  # optimizer steps of linear learning-rate warm-up (verl: lr_warmup_steps)
+    adam_beta2: float = 0.999  # AdamW's second-moment decay (torch's and verl's default)
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     estimator: str = "grpo"  # grpo | rloo | reinforce
@@ -326,6 +328,9 @@ def validate(cfg: Config) -> None:
         )
     t = cfg.train
     _range("train.lr", t.lr, 0, lo_open=True)
+    _range("train.warmup_steps", t.warmup_steps, 0)
+    if not 0 < t.adam_beta2 < 1:
+        raise ConfigError(f"train.adam_beta2 must be in (0, 1), got {t.adam_beta2!r} (0.999 is AdamW's default)")
     _in("train.estimator", t.estimator, ESTIMATORS)
     _in("train.is_mode", t.is_mode, IS_MODES)
     _in("train.aggregation", t.aggregation, AGGREGATIONS)

@@ -58,8 +58,9 @@ class Trainer:
             is_low=cfg.is_low, is_high=cfg.is_high, kl_coef=cfg.kl_coef, aggregation=cfg.aggregation,
         )
         params = [p for p in model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
+        self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, cfg.adam_beta2))
         self.version = 0  # updates published = the policy version the engine gets next
+        self.opt_steps = 0  # optimizer steps taken (the warm-up counts these, not versions)
         self.dead_steps = 0
         self.routers = [m for m in model.modules() if hasattr(m, "pop_scores")]
 
@@ -140,6 +141,7 @@ class Trainer:
         grad_norm = sum(norms) / len(norms)
         metrics["train/grad_norm"] = grad_norm
         metrics["train/updates"] = len(plan)
+        metrics["train/lr"] = self.opt.param_groups[0]["lr"]
         metrics["train/version"] = self.version
         if self.routers:
             metrics["train/qb_bias_absmax"] = max(float(r.e_score_correction_bias.abs().max()) for r in self.routers)
@@ -188,7 +190,13 @@ class Trainer:
         if not math.isfinite(grad_norm):
             self.opt.zero_grad(set_to_none=True)
             raise FloatingPointError(f"non-finite gradient norm {grad_norm}: the step was skipped")
+        # Linear warm-up: a fresh AdamW's first steps move every weight by about the learning rate whatever the
+        # gradient's size, which costs an SFT policy several points before any signal accumulates (docs/rl.md)
+        lr = self.cfg.lr * min(1.0, (self.opt_steps + 1) / max(self.cfg.warmup_steps, 1))
+        for g in self.opt.param_groups:
+            g["lr"] = lr
         self.opt.step()
+        self.opt_steps += 1
         self.opt.zero_grad(set_to_none=True)
         self._quantile_balance()
         return grad_norm
@@ -231,6 +239,7 @@ class Trainer:
             "model": self.model.state_dict(),
             "optimizer": self.opt.state_dict(),
             "version": self.version,
+            "opt_steps": self.opt_steps,
             "dead_steps": self.dead_steps,
         }
 
@@ -238,6 +247,7 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
         self.version = state["version"]
+        self.opt_steps = state["opt_steps"]
         self.dead_steps = state["dead_steps"]
 
 

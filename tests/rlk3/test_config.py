@@ -47,6 +47,8 @@ def test_composes_defaults_file_and_overrides(tmp_path):
         ("defaults: [stage/sft]\n", ["sft.effort_weights={low: 0}"], r"sft.effort_weights must have a positive sum"),
         ("defaults: [stage/rl]\n", ["train.ppo_epochs=0"], r"train.ppo_epochs must be in \[1, inf\], got 0"),
         ("defaults: [stage/rl]\n", ["train.minibatches=64"], r"train.minibatches=64 is more than the 32 samples"),
+        ("defaults: [stage/rl]\n", ["train.adam_beta2=1.0"], r"train.adam_beta2 must be in \(0, 1\), got 1.0"),
+        ("defaults: [stage/rl]\n", ["train.warmup_steps=-1"], r"train.warmup_steps must be in \[0, inf\], got -1"),
     ],
 )
 def test_bad_configs_name_the_key_and_valid_values(tmp_path, text, overrides, match):

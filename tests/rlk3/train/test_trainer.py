@@ -153,3 +153,39 @@ def test_kl_reference_is_computed_once_per_batch_and_anchors(model):
     assert metrics["train/updates"] == 6
     assert len(calls) == 2  # one forward per micro-batch (one per minibatch here), not one per epoch
     assert metrics["train/kl_ref"] > 0  # the policy moved away from the reference within the update
+
+
+def test_warmup_ramps_the_learning_rate_per_optimizer_step_and_survives_a_checkpoint(model):
+    trajs = [traj(model, f"u{i}", f"g{i // 4}", float(i % 2), seed=i, gen=5) for i in range(8)]
+    c = cfg(lr=1e-3, warmup_steps=4, minibatches=2)
+    seen = []
+
+    def trainer():
+        tr = Trainer(copy.deepcopy(model), c)
+        inner = tr.opt.step
+        tr.opt.step = lambda *a, **k: (seen.append(tr.opt.param_groups[0]["lr"]), inner(*a, **k))
+        return tr
+
+    tr = trainer()
+    tr.step(copy.deepcopy(trajs))
+    assert seen == pytest.approx([2.5e-4, 5e-4])  # counts optimizer steps (two minibatches), not iterations
+    # a trainer restored from a checkpoint continues the ramp where it stopped
+    tr2 = trainer()
+    tr2.load_state(copy.deepcopy(tr.state()))
+    metrics = tr2.step(copy.deepcopy(trajs))
+    tr2.step(copy.deepcopy(trajs))
+    assert seen[2:] == pytest.approx([7.5e-4, 1e-3, 1e-3, 1e-3])
+    assert metrics["train/lr"] == pytest.approx(1e-3)
+
+
+def test_the_first_step_of_a_fresh_adamw_moves_weights_by_about_the_learning_rate(model):
+    # why the warm-up exists: Adam's bias-corrected first step is lr * g / |g| per weight, whatever |g| is
+    trajs = [traj(model, f"u{i}", f"g{i // 4}", float(i % 2), seed=i, gen=5) for i in range(8)]
+    moved = {}
+    for warmup in (0, 10):
+        m = copy.deepcopy(model)
+        Trainer(m, cfg(lr=1e-3, warmup_steps=warmup)).step(copy.deepcopy(trajs))
+        w, w0 = m.lm_head.weight, model.lm_head.weight
+        moved[warmup] = (w - w0).abs()[(w - w0) != 0].median().item()
+    assert moved[0] == pytest.approx(1e-3, rel=0.05)
+    assert moved[10] == pytest.approx(1e-4, rel=0.05)
