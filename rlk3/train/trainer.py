@@ -11,8 +11,10 @@
                 PPO ratio is taken against the log-probs of the weights the batch started from (π_old) — the
                 situation the clip is for. One update (the default) is plain on-policy policy gradient.
 
-Single process on CPU (and on one GPU). Micro-batches are packed by token count; the loss of each is scaled so
-that the sum over micro-batches is its minibatch's aggregate, whatever the packing. The policy version counts
+Single process on CPU and on one GPU; with a ``torch.distributed`` process group of several ranks the model is
+FSDP2-sharded and each rank trains its share of every minibatch, the update equal to one process's on the whole
+batch (rlk3/train/parallel.py says what changes). Micro-batches are packed by token count; the loss of each is
+scaled so that the sum over micro-batches is its minibatch's aggregate, whatever the packing. The policy version counts
 updates published to the engine (one per :meth:`Trainer.step`), not optimizer steps: staleness is measured in
 what the sampler saw.
 """
@@ -28,8 +30,9 @@ import torch
 
 from rlk3.algo.advantages import group_advantages, reward_spread
 from rlk3.algo.loss import LossConfig, policy_loss, token_logprobs
-from rlk3.model.quantile_balancing import quantile_balancing_bias
+from rlk3.model.quantile_balancing import histogram_edges, qb_bias_from_histogram, qb_histogram, quantile_balancing_bias
 from rlk3.rollout.trajectory import Status, Trajectory
+from rlk3.train import parallel
 
 
 class DeadSignalError(RuntimeError):
@@ -44,6 +47,7 @@ class Batch:
     adv: torch.Tensor  # [B, T-1] per-token advantages
     old: torch.Tensor | None = None  # [B, T-1] π_old log-probs (several updates per batch only)
     ref: torch.Tensor | None = None  # [B, T-1] reference log-probs for the KL term, computed once per batch
+    empty: bool = False  # a placeholder pass: this rank has less data than another (data parallel)
 
 
 class Trainer:
@@ -57,6 +61,10 @@ class Trainer:
             clip_low=cfg.clip_low, clip_high=cfg.clip_high, is_mode=cfg.is_mode, is_cap=cfg.is_cap,
             is_low=cfg.is_low, is_high=cfg.is_high, kl_coef=cfg.kl_coef, aggregation=cfg.aggregation,
         )
+        self.rank, self.world = parallel.world()
+        self.device = next(model.parameters()).device
+        if self.world > 1:
+            parallel.shard_model(model)  # before the optimizer: it must hold the sharded parameters
         params = [p for p in model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, cfg.adam_beta2))
         self.version = 0  # updates published = the policy version the engine gets next
@@ -120,20 +128,23 @@ class Trainer:
         epochs = self.cfg.ppo_epochs
         self.model.train()
         if n_mini * epochs == 1:
-            plan = [self._pack(trajs, advs)]
+            parts = [list(range(len(trajs)))]
         else:
             # Minibatches from a permutation seeded by the version: deterministic (resume is bit-identical)
             # without another RNG stream in the checkpoint.
             perm = torch.randperm(len(trajs), generator=torch.Generator().manual_seed(1_000_003 + self.version))
             parts = [perm[i::n_mini].tolist() for i in range(n_mini)]
-            packed = [self._pack([trajs[i] for i in ix], [advs[i] for i in ix]) for ix in parts]
+        shares = [self._share(trajs, ix) for ix in parts]  # this rank's part of each (all of it in one process)
+        packed = self._even_out([self._pack([trajs[i] for i in ix], [advs[i] for i in ix]) for ix in shares])
+        if n_mini * epochs > 1:
             self._old_logprobs([b for mb in packed for b in mb])
-            plan = [mb for _ in range(epochs) for mb in packed]
+        plan = [mb for _ in range(epochs) for mb in packed]
         sums: dict[str, float] = {}
         norms = []
         for batches in plan:
             norms.append(self._update(batches, sums))
         self.version += 1
+        sums = self._reduce_metrics(sums)
         n_tok = max(sums.get("tokens", 1.0), 1.0)  # token-weighted means over every optimizer step
         for k, v in sums.items():
             metrics[f"train/{k}"] = v if k == "is_weight_max" else v / n_tok
@@ -157,36 +168,72 @@ class Trainer:
             why = "the gradient is zero"
         return self._dead(metrics, why) if why else self._alive(metrics)
 
+    def _share(self, trajs: list[Trajectory], ix: list[int]) -> list[int]:
+        """This rank's part of a minibatch: dealt out by length, so every rank gets about the same tokens."""
+        if self.world == 1:
+            return ix
+        return sorted(ix, key=lambda i: (len(trajs[i].token_ids), i))[self.rank :: self.world]
+
+    def _even_out(self, packed: list[list[Batch]]) -> list[list[Batch]]:
+        """Pads every minibatch to the largest micro-batch count of any rank with empty passes: each forward
+        and backward under FSDP2 is a collective, so every rank must run as many as the others."""
+        if self.world == 1:
+            return packed
+        counts = parallel.all_reduce(torch.tensor([len(mb) for mb in packed], device=self.device),
+                                     op=torch.distributed.ReduceOp.MAX)
+        for mb, n in zip(packed, counts.tolist()):
+            mb += [Batch(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1),
+                         empty=True) for _ in range(n - len(mb))]
+        return packed
+
+    def _reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        """Sums across ranks (the largest importance weight: its maximum); every rank has the same keys."""
+        if self.world == 1:
+            return sums
+        keys = sorted(k for k in sums if k != "is_weight_max")
+        total = parallel.all_reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device))
+        out = dict(zip(keys, total.tolist()))
+        if "is_weight_max" in sums:
+            top = torch.tensor([sums["is_weight_max"]], dtype=torch.float64, device=self.device)
+            out["is_weight_max"] = float(parallel.all_reduce(top, op=torch.distributed.ReduceOp.MAX))
+        return out
+
     @torch.no_grad()
     def _old_logprobs(self, batches: list[Batch]) -> None:
         """π_old: the log-probs of the weights this batch started from, fixed for all of its optimizer steps."""
         for b in batches:
-            b.old, _ = token_logprobs(self.model(b.ids).logits[:, :-1], b.ids[:, 1:], self.temperature)
+            ids = b.ids.to(self.device)
+            b.old, _ = token_logprobs(self.model(ids).logits[:, :-1], ids[:, 1:], self.temperature)
 
     def _update(self, batches: list[Batch], sums: dict[str, float]) -> float:
         """One optimizer step on the micro-batches of one minibatch; accumulates metrics into ``sums``."""
-        total_tokens = sum(float(b.mask.sum()) for b in batches)
-        total_seqs = sum(b.ids.shape[0] for b in batches)
-        for r in self.routers:
-            r.record_scores = self.cfg.qb_update
+        # the minibatch's tokens and sequences on every rank: the aggregate is over all of them
+        totals = parallel.all_reduce(torch.tensor([sum(float(b.mask.sum()) for b in batches),
+                                                   float(sum(b.ids.shape[0] for b in batches if not b.empty))],
+                                                  dtype=torch.float64, device=self.device))
+        total_tokens, total_seqs = float(totals[0]), max(float(totals[1]), 1.0)
         for b in batches:
-            out = self.model(b.ids)
-            logp, ent = token_logprobs(out.logits[:, :-1], b.ids[:, 1:], self.temperature)
+            for r in self.routers:
+                r.record_scores = self.cfg.qb_update and not b.empty
+            ids, mask = b.ids.to(self.device), b.mask.to(self.device)
+            out = self.model(ids)
+            logp, ent = token_logprobs(out.logits[:, :-1], ids[:, 1:], self.temperature)
             if b.ref is None and self.ref_model is not None and self.cfg.kl_coef > 0:  # fixed: once, not per epoch
                 with torch.no_grad():
-                    b.ref, _ = token_logprobs(self.ref_model(b.ids).logits[:, :-1], b.ids[:, 1:], self.temperature)
-            loss, m = policy_loss(logp, b.behaviour, b.adv, b.mask, self.loss_cfg, old_logp=b.old, ref_logp=b.ref,
-                                  entropy=ent)
-            weight = (float(b.mask.sum()) / max(total_tokens, 1.0) if self.cfg.aggregation == "token-mean"
-                      else b.ids.shape[0] / total_seqs)
-            (loss * weight).backward()
+                    b.ref, _ = token_logprobs(self.ref_model(ids).logits[:, :-1], ids[:, 1:], self.temperature)
+            loss, m = policy_loss(logp, b.behaviour.to(self.device), b.adv.to(self.device), mask, self.loss_cfg,
+                                  old_logp=b.old, ref_logp=b.ref, entropy=ent)
+            weight = (float(mask.sum()) / max(total_tokens, 1.0) if self.cfg.aggregation == "token-mean"
+                      else (0.0 if b.empty else b.ids.shape[0]) / total_seqs)
+            # × world: FSDP averages the ranks' gradients, and each rank's loss is already its share of the total
+            (loss * weight * self.world).backward()
             for k, v in m.items():
                 if k != "is_weight_max":
                     sums[k] = sums.get(k, 0.0) + v * (m["tokens"] if k != "tokens" else 1.0)
                 else:
                     sums[k] = max(sums.get(k, 0.0), v)
             del out
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
+        grad_norm = parallel.to_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
         if not math.isfinite(grad_norm):
             self.opt.zero_grad(set_to_none=True)
             raise FloatingPointError(f"non-finite gradient norm {grad_norm}: the step was skipped")
@@ -223,29 +270,49 @@ class Trainer:
         for r in self.routers:
             r.record_scores = False
             scores = r.pop_scores()
-            if scores is None or not self.cfg.qb_update:
+            if not self.cfg.qb_update:
                 continue
-            bias = quantile_balancing_bias(scores, r.e_score_correction_bias, r.top_k)
-            r.e_score_correction_bias.copy_(bias)
+            if self.world == 1:
+                if scores is not None:
+                    r.e_score_correction_bias.copy_(quantile_balancing_bias(scores, r.e_score_correction_bias,
+                                                                            r.top_k))
+                continue
+            # several ranks: per-expert margin histograms summed across ranks (the bias is replicated, so the
+            # bin edges agree); a rank that saw no tokens contributes zeros
+            bias = r.e_score_correction_bias
+            edges = histogram_edges(bias, self.cfg.qb_bins)
+            counts = (qb_histogram(scores, bias, r.top_k, edges) if scores is not None
+                      else torch.zeros(bias.numel(), self.cfg.qb_bins, dtype=torch.int64, device=bias.device))
+            n = torch.tensor([0 if scores is None else scores.shape[0]], device=bias.device)
+            parallel.all_reduce(counts)
+            parallel.all_reduce(n)
+            bias.copy_(qb_bias_from_histogram(counts, edges, int(n), r.top_k, dtype=bias.dtype))
 
     # ------------------------------------------------------------------ weights and state
 
     def weights(self) -> dict[str, torch.Tensor]:
         """What the engine gets: parameters and the (frozen at inference) routing biases."""
+        if self.world > 1:
+            return parallel.full_state_dict(self.model)  # a collective: every rank calls it
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     def state(self) -> dict:
+        dp = self.world > 1  # full (unsharded) tensors, the optimizer's keyed by parameter name
         return {
-            "model": self.model.state_dict(),
-            "optimizer": self.opt.state_dict(),
+            "model": parallel.full_state_dict(self.model) if dp else self.model.state_dict(),
+            "optimizer": parallel.optimizer_state(self.model, self.opt) if dp else self.opt.state_dict(),
             "version": self.version,
             "opt_steps": self.opt_steps,
             "dead_steps": self.dead_steps,
         }
 
     def load_state(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.opt.load_state_dict(state["optimizer"])
+        if self.world > 1:
+            parallel.load_full_state_dict(self.model, state["model"])
+            parallel.load_optimizer_state(self.model, self.opt, state["optimizer"])
+        else:
+            self.model.load_state_dict(state["model"])
+            self.opt.load_state_dict(state["optimizer"])
         self.version = state["version"]
         self.opt_steps = state["opt_steps"]
         self.dead_steps = state["dead_steps"]
