@@ -131,6 +131,7 @@ class ClusterConfig:
     sandbox_url: str | None = None  # None: start the local sandbox server; else an E2B-compatible URL
     sandbox_api_key: str | None = None
     cpu_threads: int = 0  # torch intra-op threads per process on CPU (0: torch's default)
+    train_workers: int = 1  # data-parallel training ranks, one actor and bundle each (FSDP2; gloo on CPU, NCCL on GPUs)
 
 
 @dataclass
@@ -327,6 +328,7 @@ def validate(cfg: Config) -> None:
             f"rollout.max_total_tokens ({r.max_total_tokens}) must be >= max_new_tokens ({r.max_new_tokens})"
         )
     t = cfg.train
+    _range("cluster.train_workers", cfg.cluster.train_workers, 1)
     _range("train.lr", t.lr, 0, lo_open=True)
     _range("train.warmup_steps", t.warmup_steps, 0)
     if not 0 < t.adam_beta2 < 1:

@@ -93,8 +93,10 @@ def one_line(r: dict) -> str:
 
 class Cluster:
     """The Ray side: one placement group; rollout and train workers colocated in its bundle (or in two bundles
-    when ``cluster.colocate`` is off). A rollout worker that dies is restarted, given the current weights and the
-    carry-over buffer as of the iteration's start, and the iteration runs again: no trajectory is lost."""
+    when ``cluster.colocate`` is off). With ``cluster.train_workers`` = N > 1 there are N data-parallel train
+    ranks, one bundle each (rank 0 shares the rollout worker's when colocated), joined into one process group.
+    A rollout worker that dies is restarted, given the current weights and the carry-over buffer as of the
+    iteration's start, and the iteration runs again: no trajectory is lost."""
 
     def __init__(self, cfg, out: Path) -> None:
         self.cfg, self.out = cfg, out
@@ -103,27 +105,37 @@ class Cluster:
                      runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}})
         res = {"CPU": 1} | ({"GPU": 1} if cfg.cluster.num_gpus else {})
         mopd = cfg.run.stage == "mopd"
-        bundles = [res] if cfg.cluster.colocate else [res] * (3 if mopd else 2)
+        n_train, colocate = cfg.cluster.train_workers, cfg.cluster.colocate
+        # colocated: bundle r holds train rank r, and bundle 0 also the rollout worker (and MOPD's teacher pool);
+        # disaggregated: the rollout worker, then one bundle per train rank, then the teachers
+        bundles = [res] * (n_train if colocate else 1 + n_train + mopd)
         self.pg = placement_group(bundles, strategy="PACK")
         ray.get(self.pg.ready())
-        # colocated: the rollout and train workers (and MOPD's teacher pool) split the bundle's resources
-        n_actors = 2 + (cfg.run.stage == "mopd")
-        share = 1.0 / n_actors if cfg.cluster.colocate else 1.0
+        share0 = 1.0 / (2 + mopd) if colocate else 1.0  # the actors of bundle 0 split its resources
 
-        def opts(i):
+        def opts(i, share=1.0):
             return dict(num_cpus=share, num_gpus=share if cfg.cluster.num_gpus else 0,
                         scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, i))
 
-        self._rollout_opts = opts(0)
+        def train_opts(rank):
+            return opts(rank, share0 if rank == 0 else 1.0) if colocate else opts(1 + rank)
+
+        self._rollout_opts = opts(0, share0)
         self.teachers = None
         if cfg.run.stage == "mopd":  # refused here, before any rollout, if a teacher's tokenizer differs
             from rlk3.cluster.teachers import TeacherPool
 
-            self.teachers = ray.remote(TeacherPool).options(**opts(0 if cfg.cluster.colocate else 2)).remote(
+            teacher_opts = opts(0, share0) if colocate else opts(1 + n_train)
+            self.teachers = ray.remote(TeacherPool).options(**teacher_opts).remote(
                 dict(cfg.mopd.teachers), cfg.model.init_from, temperature=cfg.rollout.temperature or 1.0,
                 max_resident=cfg.mopd.max_resident, threads=cfg.cluster.cpu_threads or 1)
             ray.get(self.teachers.__ray_ready__.remote())
-        self.trainer = ray.remote(TrainWorker).options(**opts(0 if cfg.cluster.colocate else 1)).remote(cfg)
+        self.trainers = [ray.remote(TrainWorker).options(**train_opts(r)).remote(cfg, r, n_train)
+                         for r in range(n_train)]
+        if n_train > 1:  # data parallel: every rank joins rank 0's process group, then builds its trainer shard
+            host, port = ray.get(self.trainers[0].address.remote())
+            ray.get([t.join.remote(host, port) for t in self.trainers])
+        self.trainer = self.trainers[0]
         self.worker = self._new_rollout()
         # on a shared GPU the engine's pool makes room for training; on CPU memory is not the constraint and a
         # release would drop the caches paused trajectories keep across the iteration boundary
@@ -134,8 +146,18 @@ class Cluster:
     def _new_rollout(self):
         return ray.remote(RolloutWorker).options(**self._rollout_opts).remote(self.cfg, str(self.out))
 
+    def _on_all(self, method: str, *args) -> list:
+        """Call a train method on every rank (under data parallelism each is a collective): one ref per rank."""
+        return [getattr(t, method).remote(*args) for t in self.trainers]
+
+    def _weights(self):
+        """Rank 0's full weights (a ref); the other ranks take part in gathering them and return nothing."""
+        refs = self._on_all("weights")
+        ray.get(refs[1:])
+        return refs[0]
+
     def restore(self, saved) -> int:
-        ray.get(self.trainer.load_state.remote(saved.trainer))
+        ray.get(self._on_all("load_state", ray.put(saved.trainer)))
         self.sync()
         return saved.iteration
 
@@ -159,7 +181,7 @@ class Cluster:
                 self.worker = self._new_rollout()
                 ray.get(self.worker.load_state.remote(self._buffer))
                 if self.version:
-                    ray.get(self.worker.update_weights.remote(self.trainer.weights.remote(), self.version))
+                    ray.get(self.worker.update_weights.remote(self._weights(), self.version))
         raise AssertionError("unreachable")
 
     def distil(self, trajs: list[Trajectory]) -> tuple[list[Trajectory], dict]:
@@ -168,14 +190,14 @@ class Cluster:
         return [Trajectory.from_dict(d) for d in dicts], metrics
 
     def train(self, trajs: list[Trajectory]) -> dict:
-        return ray.get(self.trainer.step.remote([t.to_dict() for t in trajs]))
+        return ray.get(self._on_all("step", ray.put([t.to_dict() for t in trajs])))[0]
 
     def sync(self) -> int:
         """Trainer weights → engine (through the object store: shared memory on one node), when they are newer: with
         λ < 1 an iteration may complete no group and train nothing."""
         version = ray.get(self.trainer.version.remote())
         if version > self.version:
-            ray.get(self.worker.update_weights.remote(self.trainer.weights.remote(), version))
+            ray.get(self.worker.update_weights.remote(self._weights(), version))
             self.version = version
         return self.version
 
@@ -195,14 +217,14 @@ class Cluster:
         return out
 
     def trainer_state(self):
-        return ray.get(self.trainer.state.remote())
+        return ray.get(self._on_all("state"))[0]
 
     def rollout_state(self):
         return ray.get(self.worker.state.remote())
 
     def save_model(self, path: Path, manifest: dict) -> None:
         path.mkdir(parents=True, exist_ok=True)
-        ray.get(self.trainer.save_model.remote(str(path)))
+        ray.get(self._on_all("save_model", str(path)))
         (path / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
 
     def close(self) -> None:

@@ -125,16 +125,53 @@ class RolloutWorker:
 
 
 class TrainWorker:
-    def __init__(self, cfg) -> None:
+    """One training rank. With ``world == 1`` (the default) the trainer is built at once; with several ranks the
+    driver asks rank 0 for an address, every rank joins the process group (``join``: gloo on CPU, NCCL on GPUs, each
+    actor's GPU is its device 0) and the trainer is built there, FSDP2-sharded. Under data parallelism every rank
+    takes part in ``step``, ``weights``, ``state``, ``load_state`` and ``save_model`` (each is a collective); rank 0
+    returns the results, the others ``None``/empty."""
+
+    def __init__(self, cfg, rank: int = 0, world: int = 1) -> None:
+        setup_process(cfg)
+        self.cfg, self.rank, self.world = cfg, rank, world
+        self.trainer = None
+        if world == 1:
+            self._build()
+
+    def address(self) -> tuple[str, int]:
+        """Where the ranks meet (rank 0's node and a free port on it)."""
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def join(self, host: str, port: int) -> None:
+        import torch.distributed as dist
+
+        gpu = torch.cuda.is_available()
+        if gpu:
+            torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
+        dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://{host}:{port}", rank=self.rank,
+                                world_size=self.world)
+        self._build()
+
+    def _build(self) -> None:
         from rlk3.train.trainer import Trainer
 
-        setup_process(cfg)
-        self.cfg = cfg
+        cfg = self.cfg
         model, self.tokenizer = build_policy(cfg)
+        if self.world > 1 and torch.cuda.is_available():
+            model = model.cuda()
         ref = None
         if cfg.train.kl_coef > 0:
             ref, _ = build_policy(cfg)
             ref.eval().requires_grad_(False)
+            if self.world > 1 and torch.cuda.is_available():
+                ref = ref.cuda()
         self.trainer = Trainer(model, cfg.train, temperature=cfg.rollout.temperature or 1.0, ref_model=ref)
 
     def step(self, trajs: list[dict]) -> dict:
@@ -143,17 +180,29 @@ class TrainWorker:
         return self.trainer.step([Trajectory.from_dict(d) for d in trajs])
 
     def weights(self) -> dict:
-        return self.trainer.weights()
+        w = self.trainer.weights()
+        return {k: v.cpu() for k, v in w.items()} if self.rank == 0 else {}
 
     def version(self) -> int:
         return self.trainer.version
 
-    def state(self) -> dict:
-        return self.trainer.state()
+    def state(self) -> dict | None:
+        s = self.trainer.state()
+        return s if self.rank == 0 else None
 
     def load_state(self, s: dict) -> None:
         self.trainer.load_state(s)
 
     def save_model(self, path: str) -> None:
-        self.trainer.model.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
+        if self.world == 1:
+            self.trainer.model.save_pretrained(path)
+            self.tokenizer.save_pretrained(path)
+            return
+        from rlk3.model import K3ForCausalLM
+
+        full = self.trainer.weights()  # gathered on every rank; rank 0 writes them through a plain model
+        if self.rank == 0:
+            plain = K3ForCausalLM(self.trainer.model.config)
+            plain.load_state_dict({k: v.cpu() for k, v in full.items()})
+            plain.save_pretrained(path)
+            self.tokenizer.save_pretrained(path)

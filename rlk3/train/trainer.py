@@ -48,6 +48,7 @@ class Batch:
     old: torch.Tensor | None = None  # [B, T-1] π_old log-probs (several updates per batch only)
     ref: torch.Tensor | None = None  # [B, T-1] reference log-probs for the KL term, computed once per batch
     empty: bool = False  # a placeholder pass: this rank has less data than another (data parallel)
+    valid: torch.Tensor | None = None  # [B, T] bool, False on padding: Quantile Balancing counts real tokens only
 
 
 class Trainer:
@@ -99,6 +100,7 @@ class Trainer:
         for g in groups:
             T = max(len(trajs[i].token_ids) for i in g)
             ids = torch.zeros(len(g), T, dtype=torch.long)
+            valid = torch.zeros(len(g), T, dtype=torch.bool)
             mask = torch.zeros(len(g), T - 1)
             beh = torch.zeros(len(g), T - 1)
             adv = torch.zeros(len(g), T - 1)
@@ -106,6 +108,7 @@ class Trainer:
                 t = trajs[i]
                 n = len(t.token_ids)
                 ids[r, :n] = torch.tensor(t.token_ids)
+                valid[r, :n] = True
                 m = torch.tensor(t.loss_mask[1:], dtype=torch.float32)
                 mask[r, : n - 1] = m
                 pos = m.nonzero().squeeze(-1)
@@ -113,7 +116,7 @@ class Trainer:
                 skip = t.loss_mask[0]
                 beh[r, pos] = torch.tensor(t.behaviour_logprobs[skip:], dtype=torch.float32)
                 adv[r, pos] = advs[i][skip:]
-            out.append(Batch(ids, mask, beh, adv))
+            out.append(Batch(ids, mask, beh, adv, valid=valid))
         return out
 
     def step(self, trajs: list[Trajectory]) -> dict[str, float]:
@@ -215,6 +218,7 @@ class Trainer:
         for b in batches:
             for r in self.routers:
                 r.record_scores = self.cfg.qb_update and not b.empty
+                r.score_mask = None if b.valid is None else b.valid.flatten()
             ids, mask = b.ids.to(self.device), b.mask.to(self.device)
             out = self.model(ids)
             logp, ent = token_logprobs(out.logits[:, :-1], ids[:, 1:], self.temperature)
@@ -268,7 +272,7 @@ class Trainer:
     @torch.no_grad()
     def _quantile_balance(self) -> None:
         for r in self.routers:
-            r.record_scores = False
+            r.record_scores, r.score_mask = False, None
             scores = r.pop_scores()
             if not self.cfg.qb_update:
                 continue

@@ -31,6 +31,9 @@ class K3Router(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts, dtype=torch.float32))
         # when True, forward keeps the last batch's scores for the trainer's QB update (`pop_scores`)
         self.record_scores = False
+        # which of the next forward's N tokens to record (bool [N]); None: all. The trainer masks out the padding
+        # of its packed micro-batches, so that the routing statistics do not depend on how the batch was packed
+        self.score_mask: torch.Tensor | None = None
         self._scores: list[torch.Tensor] = []
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,7 +44,8 @@ class K3Router(nn.Module):
         if self.renormalize:
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
         if self.record_scores:
-            self._scores.append(scores.detach())
+            kept = scores.detach()
+            self._scores.append(kept if self.score_mask is None else kept[self.score_mask.to(kept.device)])
         return idx, w * self.scaling
 
     def pop_scores(self) -> torch.Tensor | None:

@@ -169,6 +169,38 @@ def test_sync_sends_only_new_weights(monkeypatch):
     cluster = driver.Cluster.__new__(driver.Cluster)
     cluster.version = 0
     cluster.trainer = SimpleNamespace(version=_Method(lambda: next(versions)), weights=_Method(lambda: {}))
+    cluster.trainers = [cluster.trainer]
     cluster.worker = SimpleNamespace(update_weights=_Method(update_weights))
     assert [cluster.sync() for _ in range(4)] == [0, 1, 1, 2]
     assert engine_version == 2
+
+
+def test_two_data_parallel_train_workers_train_like_one_and_resume(init_dir, tmp_path, ray_local):
+    """cluster.train_workers=2: two train actors in one gloo process group (FSDP2), one iteration, against one
+    train actor on the same rollouts; then a resume from the data-parallel checkpoint trains a second iteration."""
+    from rlk3.cluster.driver import run_rl
+
+    finals = {}
+    for n in (1, 2):
+        cfg = load_config(ROOT / "configs/quickstart.yaml",
+                          overrides(tmp_path / f"n{n}", init_dir, **{"run.iterations": 1, "cluster.train_workers": n}))
+        finals[n] = run_rl(cfg, log=lambda *_: None)
+    one, two = load_file(finals[1] / "model.safetensors"), load_file(finals[2] / "model.safetensors")
+    init = load_file(init_dir / "model.safetensors")
+    assert one.keys() == two.keys()
+    # Quantile Balancing's bias comes from pooled histograms under data parallelism: equal within a bin or two
+    qb = [k for k in one if k.endswith("e_score_correction_bias")]
+    assert qb and all(float((one[k] - two[k]).abs().max()) <= 5e-3 for k in qb)  # bins ~2e-3 wide
+    moved = sum(float((one[k] - init[k]).pow(2).sum()) for k in one if k not in qb) ** 0.5
+    parted = sum(float((one[k] - two[k]).pow(2).sum()) for k in one if k not in qb) ** 0.5
+    assert moved > 1e-3 and parted / moved < 1e-3, (moved, parted)  # summation order only (test_parallel.py)
+    r1, r2 = rows(tmp_path / "n1"), rows(tmp_path / "n2")
+    assert r1[0]["trained"] == r2[0]["trained"] == 8
+    assert r2[0]["train/loss"] == pytest.approx(r1[0]["train/loss"], rel=1e-4, abs=1e-7)
+    # resume the data-parallel run from its checkpoint (full state dicts, loaded on every rank) for one more iteration
+    cfg = load_config(ROOT / "configs/quickstart.yaml",
+                      overrides(tmp_path / "n2", init_dir, **{"run.iterations": 2, "cluster.train_workers": 2,
+                                                                "run.resume": True}))
+    run_rl(cfg, log=lambda *_: None)
+    assert [x["iteration"] for x in rows(tmp_path / "n2")] == [0, 1]
+    assert load_file(tmp_path / "n2/final/model.safetensors").keys() == one.keys()

@@ -101,6 +101,19 @@ def test_quantile_balancing_updates_the_bias_and_ships_it(model):
     assert all(torch.equal(before[k], m.state_dict()[k]) for k in before)
 
 
+def test_quantile_balancing_counts_real_tokens_not_the_packing_padding(model):
+    # one micro-batch (short rows padded to the longest) vs one per row (no padding): the same routing statistics
+    trajs = [traj(model, f"u{i}", "g", float(i % 2), seed=i, prompt=4 + 3 * i, gen=4 + 5 * i) for i in range(4)]
+    biases = []
+    for tokens in (4096, 1):
+        m = copy.deepcopy(model)
+        Trainer(m, cfg(qb_update=True, lr=1e-9, micro_batch_tokens=tokens)).step(copy.deepcopy(trajs))
+        biases.append({k: v for k, v in m.state_dict().items() if k.endswith("e_score_correction_bias")})
+    assert biases[0] and any(v.abs().max() > 0 for v in biases[0].values())
+    for k in biases[0]:
+        torch.testing.assert_close(biases[0][k], biases[1][k], atol=1e-6, rtol=0)
+
+
 def test_failed_trajectories_are_never_trained_on(model):
     m = copy.deepcopy(model)
     trajs = [traj(m, "a", "g", 1.0, seed=1), traj(m, "b", "g", 0.0, seed=2),
