@@ -163,15 +163,14 @@ class TrainWorker:
         from rlk3.train.trainer import Trainer
 
         cfg = self.cfg
+        # data-parallel ranks train on their GPU; one rank keeps the single-process placement it always had
+        device = "cuda" if self.world > 1 and torch.cuda.is_available() else "cpu"
         model, self.tokenizer = build_policy(cfg)
-        if self.world > 1 and torch.cuda.is_available():
-            model = model.cuda()
+        model = model.to(device)
         ref = None
         if cfg.train.kl_coef > 0:
             ref, _ = build_policy(cfg)
-            ref.eval().requires_grad_(False)
-            if self.world > 1 and torch.cuda.is_available():
-                ref = ref.cuda()
+            ref = ref.to(device).eval().requires_grad_(False)
         self.trainer = Trainer(model, cfg.train, temperature=cfg.rollout.temperature or 1.0, ref_model=ref)
 
     def step(self, trajs: list[dict]) -> dict:
