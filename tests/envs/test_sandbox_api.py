@@ -103,6 +103,11 @@ def test_bad_input_is_answered_with_e2b_shaped_errors(server, backend):
         asyncio.run(AsyncSandbox.kill(sid))
 
 
+# a counter that lives in the shell's memory, shown in /tmp/c; renamed into place so that a read, a pause or a
+# snapshot never lands between `>`'s truncation and the write and sees an empty file
+COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/c.new; mv -f /tmp/c.new /tmp/c; sleep 0.05; done"
+
+
 def test_restart_keeps_paused_sandboxes_and_snapshots(tmp_path_factory, server_factory):
     state = tmp_path_factory.mktemp("restart") / "state"
     first = server_factory(state)
@@ -111,16 +116,12 @@ def test_restart_keeps_paused_sandboxes_and_snapshots(tmp_path_factory, server_f
     async def before_restart():
         # a gVisor sandbox paused in memory mode survives the restart too (runsc checkpoint on disk)
         g = await AsyncSandbox.create(metadata=on("gvisor"), **opts)
-        await g.commands.run(
-            "i=0; while true; do i=$((i+1)); echo $i > /tmp/c; sleep 0.05; done", background=True, timeout=0
-        )
+        await g.commands.run(COUNTER, background=True, timeout=0)
         await asyncio.sleep(0.5)
         assert await g.pause()
         a = await AsyncSandbox.create(**opts)
         await a.files.write("/home/user/a.txt", "kept across restarts")
-        await a.commands.run(
-            "i=0; while true; do i=$((i+1)); echo $i > /tmp/c; sleep 0.05; done", background=True, timeout=0
-        )
+        await a.commands.run(COUNTER, background=True, timeout=0)
         await asyncio.sleep(0.5)
         assert await a.pause()
         b = await AsyncSandbox.create(**opts)
@@ -184,14 +185,11 @@ def test_templates_are_built_once_and_work(server, template):
                 await _vite_app_builds_offline(sbx)
         finally:
             await sbx.kill()
-        layers = sorted(
-            p.name for p in (server.state / "disk" / "layers").iterdir() if p.name.startswith("tpl-")
-        )
+        layers = sorted(p.name for p in (server.state / "disk" / "layers").iterdir() if p.name.startswith("tpl-"))
         again = await AsyncSandbox.create(template)
         await again.kill()
         assert (
-            sorted(p.name for p in (server.state / "disk" / "layers").iterdir() if p.name.startswith("tpl-"))
-            == layers
+            sorted(p.name for p in (server.state / "disk" / "layers").iterdir() if p.name.startswith("tpl-")) == layers
         )  # cached by content hash: no rebuild
 
     asyncio.run(go())

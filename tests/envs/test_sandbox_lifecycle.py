@@ -22,9 +22,13 @@ def run(coro):
 
 
 async def counter(sbx: AsyncSandbox, path: str = "/tmp/counter") -> None:
-    # the count lives in the shell's memory; the file only shows it, so a fresh process would restart at 1
+    # the count lives in the shell's memory; the file only shows it, so a fresh process would restart at 1.
+    # Written beside and renamed into place: `echo > path` truncates first, and a read (or a snapshot) that lands
+    # between the truncation and the write sees an empty file (a CI run failed on exactly that)
     await sbx.commands.run(
-        f"i=0; while true; do i=$((i+1)); echo $i > {path}; sleep 0.05; done", background=True, timeout=0
+        f"i=0; while true; do i=$((i+1)); echo $i > {path}.new; mv -f {path}.new {path}; sleep 0.05; done",
+        background=True,
+        timeout=0,
     )
     for _ in range(100):
         if (await sbx.commands.run(f"cat {path} 2>/dev/null || echo 0")).stdout.strip() not in ("", "0"):
@@ -84,9 +88,7 @@ def test_commands_stdout_stderr_exit_codes_and_timeouts(server, backend):
             # the timed-out command was killed, not left running
             for _ in range(50):
                 if (
-                    await sbx.commands.run(
-                        "kill -0 $(cat /tmp/sleeper) 2>/dev/null && echo alive || echo dead"
-                    )
+                    await sbx.commands.run("kill -0 $(cat /tmp/sleeper) 2>/dev/null && echo alive || echo dead")
                 ).stdout.strip() == "dead":
                     break
                 await asyncio.sleep(0.1)
@@ -325,9 +327,7 @@ def test_kill_leaves_no_process_mount_or_cgroup(server, backend):
     async def go():
         sbx = await AsyncSandbox.create(metadata=on(backend))
         sid = sbx.sandbox_id
-        await sbx.commands.run(
-            "sleep 1000 & setsid sleep 1001 & nohup sleep 1002 >/dev/null 2>&1 &", timeout=5
-        )
+        await sbx.commands.run("sleep 1000 & setsid sleep 1001 & nohup sleep 1002 >/dev/null 2>&1 &", timeout=5)
         pids = server.cgroup_procs(sid)
         assert len(pids) >= 4  # bwrap: the agent and its commands; gVisor: Gofer, Sentry and one stub each
         upper = server.state / "disk" / "uppers" / server.rec(sid)["upper"]
@@ -356,10 +356,7 @@ def test_list_info_metadata_timeout_and_metrics(server):
             assert {a.sandbox_id, b.sandbox_id} <= set(ids)  # paged one at a time via x-next-token
             from e2b import SandboxQuery
 
-            only = [
-                s.sandbox_id
-                async for s in _iter(AsyncSandbox.list(query=SandboxQuery(metadata={"job": "t2"})))
-            ]
+            only = [s.sandbox_id async for s in _iter(AsyncSandbox.list(query=SandboxQuery(metadata={"job": "t2"})))]
             assert only == [b.sandbox_id]
             await a.set_timeout(600)
             assert (await a.get_info()).end_at.timestamp() > time.time() + 500
