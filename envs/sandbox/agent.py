@@ -633,6 +633,20 @@ class Inotify:
         return wids
 
 
+def mount_devpts():
+    """A devpts instance of the sandbox's own at /dev/pts (under bwrap /dev is a plain directory; gVisor brings
+    its own). mount(8) in a child, so that the agent needs no ctypes (import time and pages every dump copies)."""
+    if os.path.exists("/dev/pts/ptmx") or not os.path.isdir("/dev/pts"):
+        return
+    with contextlib.suppress(OSError):
+        pid = os.posix_spawn(
+            "/usr/bin/mount",
+            ["mount", "-t", "devpts", "-o", "newinstance,ptmxmode=0666,mode=0620", "devpts", "/dev/pts"],
+            {"PATH": "/usr/bin:/bin"},
+        )
+        os.waitpid(pid, 0)
+
+
 def main():
     # CRIU can only dump what lives inside the sandbox: no fd may point at a host file
     devnull = os.open("/dev/null", os.O_RDWR)
@@ -640,6 +654,7 @@ def main():
         os.dup2(devnull, fd)
     os.closerange(3, MAXFD)
     sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the agent
+    mount_devpts()
     Agent(sys.argv[1] if len(sys.argv) > 1 else "").run()
 
 

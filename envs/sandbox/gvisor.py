@@ -166,6 +166,8 @@ class GvisorBackend:
         mounts = [
             {"destination": "/proc", "type": "proc", "source": "proc"},
             {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "mode=755"]},
+            # POSIX shared memory for every user, as under bwrap (runsc's /dev has no writable shm of its own)
+            {"destination": "/dev/shm", "type": "tmpfs", "source": "shm", "options": ["nosuid", "nodev", "mode=1777"]},
             {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["ro", "nosuid", "noexec"]},
             {"destination": "/run/rlk3", "type": "bind", "source": str(self.agent_dir), "options": ["rbind", "ro"]},
             # runsc puts a tmpfs on an empty /tmp unless the spec mounts something there; /tmp belongs on the

@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import logging
 import os
 import struct
 import threading
@@ -18,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+log = logging.getLogger("rlk3.sandbox")
 PR_SET_CHILD_SUBREAPER = 36
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -181,6 +183,37 @@ class Limits:
     memory_mb: int = 512
     pids: int = 512
     disk_mb: int = 1024
+
+
+async def favor_dynamic_cgroups(reaper: Reaper, v2_root: Path | None = None) -> bool:
+    """Remount cgroup2 with ``favordynmods`` (Linux >= 6.0) unless it has it; returns whether it is on.
+
+    Every sandbox start, restore and fork moves a process into its cgroups. The kernel guards migrations with
+    one global percpu rwsem whose writer, after the lock has been idle for a while, waits for an RCU grace
+    period: measured here, the four ``cgroup.procs`` writes of a launcher took 15 ms after 100 ms of quiet and
+    0.4 ms with ``favordynmods``, which keeps the rwsem in its writer-friendly mode (forks and exits pay an
+    uncontended atomic instead). systemd >= 255 can mount cgroup2 this way too. It lasts until the next
+    reboot; a host that refuses the remount keeps working, only slower."""
+    v2_root = v2_root or _v2_root()
+    opts = next((f[3].split(",") for f in _mounts() if f[1] == str(v2_root) and f[2] == "cgroup2"), None)
+    if opts is None:
+        return False
+    if "favordynmods" in opts:
+        return True
+    # mount(8), not mount(2): it carries the mount's other options (nsdelegate, nosuid, ...) over
+    code, out = await reaper.run(["/usr/bin/mount", "-o", "remount,favordynmods", str(v2_root)], check=False)
+    if code != 0:
+        log.warning(
+            "cgroup2 at %s kept its options (remount with favordynmods: %s); every sandbox start then "
+            "waits ~15 ms for a cgroup migration",
+            v2_root,
+            out.strip(),
+        )
+    return code == 0
+
+
+def _mounts() -> list[list[str]]:
+    return [line.split() for line in Path("/proc/self/mounts").read_text().splitlines()]
 
 
 class Cgroups:

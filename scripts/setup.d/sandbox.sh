@@ -113,6 +113,14 @@ if ! [ -x .cache/criu/criu ] || [ "$(cat .cache/criu/build-id 2>/dev/null)" != "
   echo "$criu_build_id" > .cache/criu/build-id
   rm -rf "$work"
 fi
+# CRIU's restore hook (envs/sandbox/restore_hook.c), static so it runs in any mount namespace; rebuilt when the
+# source changes
+hook_id=$(sha1sum envs/sandbox/restore_hook.c | cut -c1-12)
+if ! [ -x .cache/criu/restore-hook ] || [ "$(cat .cache/criu/restore-hook.id 2>/dev/null)" != "$hook_id" ]; then
+  cc -O2 -static -Wall -Werror -o .cache/criu/restore-hook.new envs/sandbox/restore_hook.c
+  mv .cache/criu/restore-hook.new .cache/criu/restore-hook
+  echo "$hook_id" > .cache/criu/restore-hook.id
+fi
 .cache/criu/criu check >/dev/null 2>&1 || echo "sandbox: warning: criu check did not pass on this kernel" >&2
 
 # ---- runsc (gVisor) from bookworm-backports, unpacked into .cache/runsc (not installed system-wide)

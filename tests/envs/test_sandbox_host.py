@@ -1,0 +1,84 @@
+"""The host-side choices that make pause, resume and fork fast (docs/sandbox.md, "Where the time goes"), and
+what a sandbox still has because of them: a /dev without a tmpfs (CRIU tars a tmpfs on every dump and restore)
+that works as bwrap's did, a devpts of its own, loopback up after a restore (the compiled CRIU hook), and cgroup2
+mounted with ``favordynmods`` by the server (a migration otherwise waits for an RCU grace period)."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+from pathlib import Path
+
+from e2b import AsyncSandbox
+
+from .conftest import ROOT
+from .sandboxes import on
+
+DEV_CHECK = """set -e
+echo x > /dev/null
+test "$(head -c 16 /dev/urandom | wc -c)" = 16
+test "$(head -c 4 /dev/zero | od -An -tx1 | tr -d ' ')" = 00000000
+python3 -c 'import os, pty; m, s = pty.openpty(); os.write(s, b"hi"); print(os.ttyname(s), os.read(m, 2).decode())'
+ls -l /dev/fd/ > /dev/null && echo fd-ok
+echo shared > /dev/shm/x && cat /dev/shm/x
+ip -o link show lo | grep -q 'state UNKNOWN\\|UP' && echo lo-up
+"""
+
+
+def test_dev_works_and_survives_a_memory_pause(server, backend):
+    async def go():
+        sbx = await AsyncSandbox.create(metadata=on(backend))
+        try:
+            for _ in range(2):  # as booted, then as CRIU (or runsc) restored it
+                r = await sbx.commands.run(DEV_CHECK)
+                lines = r.stdout.split("\n")
+                assert lines[0].startswith("/dev/pts/") and lines[0].endswith(" hi"), r.stdout
+                assert lines[1:4] == ["fd-ok", "shared", "lo-up"], r.stdout
+                assert await sbx.pause()
+                await AsyncSandbox.connect(sbx.sandbox_id)
+            if backend == "bwrap":
+                # no tmpfs under /dev: only the device nodes and the sandbox's devpts are mounts there
+                mounts = (await sbx.commands.run("cat /proc/self/mountinfo")).stdout.splitlines()
+                under_dev = {
+                    ln.split()[4]: ln.split(" - ")[1].split()[0] for ln in mounts if ln.split()[4].startswith("/dev")
+                }
+                assert "/dev" not in under_dev, under_dev
+                assert under_dev["/dev/pts"] == "devpts", under_dev
+                assert {under_dev[f"/dev/{n}"] for n in ("null", "zero", "urandom")} == {"devtmpfs"}, under_dev
+        finally:
+            await sbx.kill()
+
+    asyncio.run(go())
+
+
+def test_criu_restores_run_the_compiled_hook(server):
+    hook = Path("/run") / server.tag / "criu-restore-hook"
+    assert (ROOT / ".cache" / "criu" / "restore-hook").is_file(), "scripts/setup.d/sandbox.sh builds it"
+    assert hook.read_bytes()[:4] == b"\x7fELF", "the server fell back to the shell hook"
+
+
+MOUNT_FLAGS = {"ro": 1, "nosuid": 2, "nodev": 4, "noexec": 8, "noatime": 1024, "relatime": 1 << 21}
+
+
+def _cgroup2() -> tuple[Path, list[str]]:
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        _, target, fstype, opts, *_ = line.split()
+        if fstype == "cgroup2":
+            return Path(target), opts.split(",")
+    raise AssertionError("no cgroup2 mount")
+
+
+def test_the_server_mounts_cgroup2_with_favordynmods(tmp_path, server_factory):
+    target, opts = _cgroup2()
+    # take the option away (a mount(2) remount whose data leaves it out clears it, keeping every other option),
+    # then a starting server must put it back
+    flags = 32  # MS_REMOUNT
+    for opt, bit in MOUNT_FLAGS.items():
+        flags |= bit if opt in opts else 0
+    data = ",".join(o for o in opts if o not in MOUNT_FLAGS and o not in ("rw", "favordynmods"))
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mount(None, str(target).encode(), None, flags, data.encode()) == 0, ctypes.get_errno()
+    assert "favordynmods" not in _cgroup2()[1]
+    server_factory(tmp_path / "state")
+    assert "favordynmods" in _cgroup2()[1]
+    assert [o for o in _cgroup2()[1] if o != "favordynmods"] == [o for o in opts if o != "favordynmods"]
