@@ -7,7 +7,9 @@ mkdir -p .cache/system
 shopt -s nullglob
 for script in scripts/setup.d/*.sh; do
   name=$(basename "$script" .sh)
-  stamp=".cache/system/$name.$(sha1sum "$script" | cut -c1-12)"
+  # a script's "# inputs: a b" line names other files whose change must re-run it (sources it builds)
+  read -ra inputs <<< "$(sed -n 's/^# inputs: //p' "$script")"
+  stamp=".cache/system/$name.$(cat "$script" "${inputs[@]}" | sha1sum | cut -c1-12)"
   [ -f "$stamp" ] && continue
   echo "== setup: $name"
   bash "$script"

@@ -5,6 +5,7 @@
 #   template, only if the host has no node yet), runsc from bookworm-backports (the gVisor backend), and
 #   CRIU 4.1.1 built once from the upstream tarball Debian trixie ships: bookworm's CRIU 3.17 fails on this
 #   kernel's vDSO layout. Builds go to .cache/ (gitignored); the system apt configuration is never changed.
+# inputs: envs/sandbox/restore_hook.c
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
