@@ -123,6 +123,9 @@ class MOPDConfig:
     max_resident: int = 9  # teachers kept loaded at once (fewer: loaded and offloaded on demand)
 
 
+WEIGHT_SYNC_MODES = ("object_store", "broadcast", "cuda_ipc")  # rlk3/cluster/weight_sync.py
+
+
 @dataclass
 class ClusterConfig:
     ray_address: str | None = None  # None: a local head (ray.init())
@@ -132,6 +135,8 @@ class ClusterConfig:
     sandbox_api_key: str | None = None
     cpu_threads: int = 0  # torch intra-op threads per process on CPU (0: torch's default)
     train_workers: int = 1  # data-parallel training ranks, one actor and bundle each (FSDP2; gloo on CPU, NCCL on GPUs)
+    # trainer -> engine: object_store (Ray shared memory) | broadcast (gloo/NCCL group of two) | cuda_ipc (one GPU)
+    weight_sync: str = "object_store"
 
 
 @dataclass
@@ -329,6 +334,13 @@ def validate(cfg: Config) -> None:
         )
     t = cfg.train
     _range("cluster.train_workers", cfg.cluster.train_workers, 1)
+    _in("cluster.weight_sync", cfg.cluster.weight_sync, WEIGHT_SYNC_MODES)
+    if cfg.cluster.weight_sync == "cuda_ipc" and not (cfg.cluster.num_gpus and cfg.cluster.colocate):
+        raise ConfigError(
+            "cluster.weight_sync=cuda_ipc hands the engine handles to the trainer's GPU memory, so it needs "
+            f"cluster.num_gpus > 0 and cluster.colocate=true (got num_gpus={cfg.cluster.num_gpus}, "
+            f"colocate={cfg.cluster.colocate}); use broadcast (NCCL/gloo) or object_store otherwise"
+        )
     _range("train.lr", t.lr, 0, lo_open=True)
     _range("train.warmup_steps", t.warmup_steps, 0)
     if not 0 < t.adam_beta2 < 1:

@@ -137,6 +137,7 @@ class Cluster:
             ray.get([t.join.remote(host, port) for t in self.trainers])
         self.trainer = self.trainers[0]
         self.worker = self._new_rollout()
+        self._open_weight_group()
         # on a shared GPU the engine's pool makes room for training; on CPU memory is not the constraint and a
         # release would drop the caches paused trajectories keep across the iteration boundary
         self.release_pool = cfg.cluster.colocate and bool(cfg.cluster.num_gpus)
@@ -145,6 +146,25 @@ class Cluster:
 
     def _new_rollout(self):
         return ray.remote(RolloutWorker).options(**self._rollout_opts).remote(self.cfg, str(self.out))
+
+    def _open_weight_group(self) -> None:
+        """``cluster.weight_sync: broadcast``: train rank 0 and the rollout worker meet in a group of two."""
+        if self.cfg.cluster.weight_sync == "broadcast":
+            host, port = ray.get(self.trainer.address.remote())
+            ray.get([self.trainer.open_weight_group.remote(host, port),
+                     self.worker.open_weight_group.remote(host, port)])
+
+    def _push(self, version: int) -> None:
+        """Trainer weights → engine, as ``cluster.weight_sync`` says (rlk3/cluster/weight_sync.py)."""
+        mode = self.cfg.cluster.weight_sync
+        if mode == "broadcast":
+            ray.get([*self._on_all("send_weights"), self.worker.recv_weights.remote(version)])
+        elif mode == "cuda_ipc":
+            refs = self._on_all("share_weights")
+            ray.get(refs[1:])
+            ray.get(self.worker.open_cuda_weights.remote(refs[0], version))
+        else:
+            ray.get(self.worker.update_weights.remote(self._weights(), version))
 
     def _on_all(self, method: str, *args) -> list:
         """Call a train method on every rank (under data parallelism each is a collective): one ref per rank."""
@@ -179,9 +199,10 @@ class Cluster:
                     raise
                 print(f"rl: the rollout worker died in iteration {it}; restarting it and running the iteration again")
                 self.worker = self._new_rollout()
+                self._open_weight_group()
                 ray.get(self.worker.load_state.remote(self._buffer))
                 if self.version:
-                    ray.get(self.worker.update_weights.remote(self._weights(), self.version))
+                    self._push(self.version)
         raise AssertionError("unreachable")
 
     def distil(self, trajs: list[Trajectory]) -> tuple[list[Trajectory], dict]:
@@ -193,11 +214,11 @@ class Cluster:
         return ray.get(self._on_all("step", ray.put([t.to_dict() for t in trajs])))[0]
 
     def sync(self) -> int:
-        """Trainer weights → engine (through the object store: shared memory on one node), when they are newer: with
-        λ < 1 an iteration may complete no group and train nothing."""
+        """Trainer weights → engine when they are newer (with λ < 1 an iteration may complete no group and train
+        nothing): through the object store, a broadcast group or CUDA IPC handles (``cluster.weight_sync``)."""
         version = ray.get(self.trainer.version.remote())
         if version > self.version:
-            ray.get(self.worker.update_weights.remote(self._weights(), version))
+            self._push(version)
             self.version = version
         return self.version
 

@@ -5,7 +5,8 @@ use them in-process.
 ``TrainWorker`` owns the trainable model and its optimizer. Colocated (the default), both live in one placement
 group bundle and alternate: the rollout worker releases its engine pool while training runs
 (``release_memory``) and takes it back for the next iteration; weights move through Ray's shared-memory object
-store on CPU (CUDA IPC handles would replace this on one GPU; a broadcast over NCCL/gloo when disaggregated).
+store, a two-member NCCL/gloo broadcast group, or CUDA IPC handles on one GPU (``cluster.weight_sync``,
+rlk3/cluster/weight_sync.py).
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ class RolloutWorker:
         setup_process(cfg)
         self.cfg = cfg
         model, self.tokenizer = build_policy(cfg)
+        if torch.cuda.is_available():  # a Ray actor sees the GPU of its bundle only (cluster.num_gpus > 0)
+            model = model.cuda()
         self.engine = RolloutEngine(model.eval(), EngineConfig(memory_bytes=256 << 20,
                                                                max_model_len=cfg.rollout.max_total_tokens))
         self.env = RolloutEnv(self.tokenizer, domains=tuple(sorted(set(cfg.tasks.domains))),
@@ -95,6 +98,22 @@ class RolloutWorker:
 
     def update_weights(self, weights: dict, version: int) -> None:
         self.engine.update_weights(weights, version)
+
+    def open_weight_group(self, host: str, port: int) -> None:
+        """Join train rank 0's two-member group as the receiver (``cluster.weight_sync: broadcast``)."""
+        from rlk3.cluster.weight_sync import WeightGroup
+
+        self.wgroup = WeightGroup(host, port, 1, device=str(next(self.engine.model.parameters()).device))
+
+    def recv_weights(self, version: int) -> None:
+        self.engine.update_weights(self.wgroup.recv(), version)
+
+    def open_cuda_weights(self, handles: dict, version: int) -> None:
+        """``cluster.weight_sync: cuda_ipc``: copy from the trainer's GPU memory, device to device."""
+        from rlk3.cluster.weight_sync import open_cuda
+
+        self.engine.update_weights(open_cuda(handles), version)
+        torch.cuda.synchronize()  # the copies are done before the trainer may touch its tensors again
 
     def release_memory(self) -> None:
         self.engine.release_memory()
@@ -163,8 +182,8 @@ class TrainWorker:
         from rlk3.train.trainer import Trainer
 
         cfg = self.cfg
-        # data-parallel ranks train on their GPU; one rank keeps the single-process placement it always had
-        device = "cuda" if self.world > 1 and torch.cuda.is_available() else "cpu"
+        # a Ray actor sees only its bundle's GPU (none when cluster.num_gpus is 0)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
         model, self.tokenizer = build_policy(cfg)
         model = model.to(device)
         ref = None
@@ -181,6 +200,29 @@ class TrainWorker:
     def weights(self) -> dict:
         w = self.trainer.weights()
         return {k: v.cpu() for k, v in w.items()} if self.rank == 0 else {}
+
+    def open_weight_group(self, host: str, port: int) -> None:
+        """Rank 0 opens the two-member group it broadcasts weights over (``cluster.weight_sync: broadcast``)."""
+        from rlk3.cluster.weight_sync import WeightGroup
+
+        if self.rank == 0:
+            old = getattr(self, "wgroup", None)  # a restarted rollout worker means a new group
+            if old is not None:
+                old.close()
+            self.wgroup = WeightGroup(host, port, 0, device=str(self.trainer.device))
+
+    def send_weights(self) -> int:
+        """Every rank gathers (a collective under data parallelism); rank 0 broadcasts. Returns bytes sent."""
+        w = self.trainer.weights()
+        return self.wgroup.send(w) if self.rank == 0 else 0
+
+    def share_weights(self) -> dict:
+        """CUDA IPC handles of rank 0's full weights (``cluster.weight_sync: cuda_ipc``); the tensors stay referenced
+        here until the next call, so the handles stay valid while the engine copies."""
+        from rlk3.cluster.weight_sync import share_cuda
+
+        self._shared = {k: v.contiguous() for k, v in self.trainer.weights().items()}
+        return share_cuda(self._shared) if self.rank == 0 else {}
 
     def version(self) -> int:
         return self.trainer.version

@@ -167,6 +167,7 @@ def test_sync_sends_only_new_weights(monkeypatch):
 
     versions = iter([0, 1, 1, 2])  # the trainer's version after iterations that trained / did not
     cluster = driver.Cluster.__new__(driver.Cluster)
+    cluster.cfg = load_config(ROOT / "configs/quickstart.yaml")  # cluster.weight_sync: object_store
     cluster.version = 0
     cluster.trainer = SimpleNamespace(version=_Method(lambda: next(versions)), weights=_Method(lambda: {}))
     cluster.trainers = [cluster.trainer]
@@ -204,3 +205,22 @@ def test_two_data_parallel_train_workers_train_like_one_and_resume(init_dir, tmp
     run_rl(cfg, log=lambda *_: None)
     assert [x["iteration"] for x in rows(tmp_path / "n2")] == [0, 1]
     assert load_file(tmp_path / "n2/final/model.safetensors").keys() == one.keys()
+
+
+def test_weight_sync_by_broadcast_trains_like_the_object_store(init_dir, tmp_path, ray_local):
+    """cluster.weight_sync=broadcast (rollout and training in separate bundles, a gloo group of two between train rank
+    0 and the rollout worker) against the default object-store sync, colocated: the second and third iterations
+    sample from the synced weights, so any tensor delivered wrong would change their tokens and rewards."""
+    from rlk3.cluster.driver import run_rl
+
+    finals = {}
+    for mode, colocate in (("object_store", True), ("broadcast", False)):
+        cfg = load_config(ROOT / "configs/quickstart.yaml",
+                          overrides(tmp_path / mode, init_dir, **{"run.iterations": 3, "cluster.weight_sync": mode,
+                                                                  "cluster.colocate": colocate}))
+        finals[mode] = run_rl(cfg, log=lambda *_: None)
+    a, b = rows(tmp_path / "object_store"), rows(tmp_path / "broadcast")
+    assert len(a) == len(b) == 3 and stable(a) == stable(b)
+    assert [r["version"] for r in b] == [1, 2, 3]  # three syncs, each to a new version
+    wa, wb = (load_file(finals[m] / "model.safetensors") for m in ("object_store", "broadcast"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
