@@ -221,13 +221,12 @@ class ModelRunner:
                 qn, qr = q_nope[None, offset : offset + n], q_rope[None, offset : offset + n]
                 if start == 0:  # a fresh prefill: plain causal attention, the same call the model makes
                     o = prefill_attention(qn, qr, lat, rope, w_uk, w_uv, attn.scale, causal=True)
-                else:
+                elif n <= ABSORB_MAX_QUERY_LEN:  # a short extension: the absorbed form, as the model does
                     q_pos = torch.arange(start, S, device=h.device)
                     mask = (torch.arange(S, device=h.device)[None, :] <= q_pos[:, None])[None]
-                    if n <= ABSORB_MAX_QUERY_LEN:  # a short extension: the absorbed form, as the model does
-                        o = mla_attention(qn, qr, lat, rope, w_uk, w_uv, attn.scale, mask, absorbed=True)
-                    else:
-                        o = prefill_attention(qn, qr, lat, rope, w_uk, w_uv, attn.scale, mask)
+                    o = mla_attention(qn, qr, lat, rope, w_uk, w_uv, attn.scale, mask, absorbed=True)
+                else:  # a long extension of a cached prefix (the next turn of an episode)
+                    o = prefill_attention(qn, qr, lat, rope, w_uk, w_uv, attn.scale, prefix=start)
                 outs.append(o[0])
                 offset += n
         o = torch.cat(outs) if len(outs) > 1 else outs[0]  # [T, H, v]
@@ -244,11 +243,16 @@ class ModelRunner:
         return layer.mlp(h)
 
 
-def prefill_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale, mask=None, causal=False) -> torch.Tensor:
+def prefill_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale, mask=None, causal=False,
+                      prefix: int = 0) -> torch.Tensor:
     """``mla_attention(..., absorbed=False)`` (decompress K/V, then SDPA) with the value heads zero-padded to the
     query/key head dim (or the reverse): PyTorch's fused CPU attention kernel needs one head dim for q, k and v and
     otherwise falls back to a path that materialises every score (3-5x slower at long context). Zero columns change
-    nothing: padded query/key dims add 0 to every score, padded value dims are sliced off. ``[B, T, H, v]``."""
+    nothing: padded query/key dims add 0 to every score, padded value dims are sliced off. ``[B, T, H, v]``.
+
+    ``prefix`` > 0: the queries are the last ``T`` of ``S = prefix + T`` positions and attend causally (a cached
+    prefix and its extension). On CPU that runs as two fused calls merged by their log-sum-exps (``_prefix_causal``)
+    instead of one call with a ``[T, S]`` mask."""
     H = q_nope.shape[2]
     k_nope = torch.einsum("bsl,hdl->bhsd", latent, w_uk.to(latent.dtype))
     v = torch.einsum("bsl,hdl->bhsd", latent, w_uv.to(latent.dtype))
@@ -259,10 +263,29 @@ def prefill_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale, mask=No
         v = F.pad(v, (0, qk_dim - v_dim))
     elif qk_dim < v_dim:
         q, k = F.pad(q, (0, v_dim - qk_dim)), F.pad(k, (0, v_dim - qk_dim))
-    o = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=None if mask is None else mask[:, None], is_causal=causal, scale=scale
-    )
+    if prefix and q.device.type == "cpu":
+        o = _prefix_causal(q, k, v, prefix, scale)
+    else:
+        if prefix:
+            pos = torch.arange(k.shape[2], device=q.device)
+            mask = (pos[None, :] <= pos[prefix:, None])[None]
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=None if mask is None else mask[:, None], is_causal=causal, scale=scale
+        )
     return o[..., :v_dim].transpose(1, 2)
+
+
+def _prefix_causal(q, k, v, prefix: int, scale: float) -> torch.Tensor:
+    """Attention of the last ``T`` positions over ``prefix + T`` keys, causal, on CPU: every query sees the whole
+    prefix (no mask) and the new keys causally (a square ``is_causal``), each one call of the fused flash kernel,
+    merged exactly through their log-sum-exps. One call with a boolean ``[T, S]`` mask costs 1.5x the time at
+    T = 2K, S = 20K (0.62 vs 0.42 s per layer at k3-tiny's head dims, one thread): an episode's next turn."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    o1, lse1 = flash(q, k[:, :, :prefix], v[:, :, :prefix], scale=scale)[:2]
+    o2, lse2 = flash(q, k[:, :, prefix:], v[:, :, prefix:], is_causal=True, scale=scale)[:2]
+    m = torch.maximum(lse1, lse2)
+    w1, w2 = (lse1 - m).exp(), (lse2 - m).exp()
+    return ((o1 * w1[..., None] + o2 * w2[..., None]) / (w1 + w2)[..., None]).to(q.dtype)
 
 
 def latent_moe(moe: StableLatentMoE, x: torch.Tensor, experts_fn) -> torch.Tensor:

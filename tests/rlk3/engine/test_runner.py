@@ -74,3 +74,9 @@ def test_prefill_attention_equals_mla_attention(qk, v):
     got = prefill_attention(q_nope, q_rope, latent[:, :T], k_rope[:, :T], w_uk, w_uv, 0.1, causal=True)
     ref = mla_attention(q_nope, q_rope, latent[:, :T], k_rope[:, :T], w_uk, w_uv, 0.1, causal=True)
     assert rel_err(got, ref) <= 1e-5
+    # a cached prefix of S - T positions and its extension: two fused calls merged by log-sum-exp on CPU
+    ref = mla_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, 0.1, mask)
+    assert rel_err(prefill_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, 0.1, prefix=S - T), ref) <= 1e-5
+    bf = [t.bfloat16() for t in (q_nope, q_rope, latent, k_rope)]  # the merge keeps the input dtype
+    got = prefill_attention(*bf, w_uk, w_uv, 0.1, prefix=S - T)
+    assert got.dtype == torch.bfloat16 and rel_err(got.float(), ref) <= 2e-2
