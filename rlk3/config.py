@@ -137,6 +137,9 @@ class ClusterConfig:
     train_workers: int = 1  # data-parallel training ranks, one actor and bundle each (FSDP2; gloo on CPU, NCCL on GPUs)
     # trainer -> engine: object_store (Ray shared memory) | broadcast (gloo/NCCL group of two) | cuda_ipc (one GPU)
     weight_sync: str = "object_store"
+    # disaggregated only: iteration i + 1's rollout runs while iteration i trains (one policy version of lag,
+    # corrected per token like a resumed partial rollout); off at checkpoint boundaries
+    overlap: bool = False
 
 
 @dataclass
@@ -335,6 +338,11 @@ def validate(cfg: Config) -> None:
     t = cfg.train
     _range("cluster.train_workers", cfg.cluster.train_workers, 1)
     _in("cluster.weight_sync", cfg.cluster.weight_sync, WEIGHT_SYNC_MODES)
+    if cfg.cluster.overlap and cfg.cluster.colocate:
+        raise ConfigError(
+            "cluster.overlap=true runs the next rollout while training, which needs rollout and training on "
+            "separate resources: set cluster.colocate=false (colocated workers alternate on one bundle)"
+        )
     if cfg.cluster.weight_sync == "cuda_ipc" and not (cfg.cluster.num_gpus and cfg.cluster.colocate):
         raise ConfigError(
             "cluster.weight_sync=cuda_ipc hands the engine handles to the trainer's GPU memory, so it needs "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import ray
@@ -34,21 +35,29 @@ def run_rl(cfg, log=print) -> Path:
         log(f"rl: resumed from {saved.path} at iteration {start}")
     _, budget = budget_fn(cfg)
     samples = metrics.last("samples", 0)
+    ahead = None  # cluster.overlap: the next iteration's rollout, running while this one trains
     for it in range(start, cfg.run.iterations):
         t0 = time.perf_counter()
-        trajs, stats = cluster.rollout(it, rollout_state)  # schedule (+ grade: episodes are graded as they end)
-        rollout_state = None
+        # schedule (+ grade: episodes are graded as they end)
+        trajs, stats, rollout_s = ahead.result() if ahead else cluster.rollout(it, rollout_state)
+        rollout_state, ahead = None, None
         if cfg.run.stage == "mopd" and trajs:
             trajs, stats["distil"] = cluster.distil(trajs)  # per-token teacher rewards, routed by (domain, effort)
         t1 = time.perf_counter()
+        if cluster.overlaps(it):  # iteration it + 1 samples under the current weights while this one trains
+            ahead = cluster.rollout_ahead(it + 1)
         train_metrics = cluster.train(trajs) if trajs else {}  # train
         t2 = time.perf_counter()
-        version = cluster.sync()  # sync
+        if ahead:
+            ahead.result()  # the engine takes new weights once the overlapped rollout is done
         t3 = time.perf_counter()
+        version = cluster.sync()  # sync
+        t4 = time.perf_counter()
         samples += len(trajs)
         row = summarize(trajs, stats, train_metrics, it, budget.at(it), samples,
-                        {"time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/sync_s": t3 - t2,
-                         "version": version})
+                        {"time/rollout_s": rollout_s, "time/train_s": t2 - t1, "time/overlap_wait_s": t3 - t2,
+                         "time/sync_s": t4 - t3, "time/iteration_s": t4 - t0,
+                         "rollout/overlapped": int(ahead is not None), "version": version})
         if cfg.run.eval_every and (it + 1) % cfg.run.eval_every == 0:  # eval
             row.update(cluster.evaluate(budget.at(it)))
         metrics.write(row)
@@ -143,6 +152,7 @@ class Cluster:
         self.release_pool = cfg.cluster.colocate and bool(cfg.cluster.num_gpus)
         self.version = 0
         self._buffer: dict | None = None  # the rollout worker's buffer at the start of the current iteration
+        self._ahead_pool: ThreadPoolExecutor | None = None
 
     def _new_rollout(self):
         return ray.remote(RolloutWorker).options(**self._rollout_opts).remote(self.cfg, str(self.out))
@@ -181,7 +191,26 @@ class Cluster:
         self.sync()
         return saved.iteration
 
-    def rollout(self, it: int, state: dict | None) -> tuple[list[Trajectory], dict]:
+    def overlaps(self, it: int) -> bool:
+        """Whether iteration ``it + 1``'s rollout runs during ``it``'s training (``cluster.overlap``): not past the
+        end, and not when a checkpoint follows ``it`` (it must see the carry-over buffer with no rollout in flight)."""
+        cfg = self.cfg
+        return (cfg.cluster.overlap and it + 1 < cfg.run.iterations
+                and (it + 1) % cfg.run.checkpoint_every != 0)
+
+    def rollout_ahead(self, it: int) -> Future:
+        """``rollout(it)`` on a thread (its Ray calls run while the driver trains); ``.result()`` as ``rollout``'s."""
+        if self._ahead_pool is None:
+            self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-ahead")
+        return self._ahead_pool.submit(self.rollout, it, None)
+
+    def rollout(self, it: int, state: dict | None) -> tuple[list[Trajectory], dict, float]:
+        """Iteration ``it``'s complete groups, the scheduler's stats and the seconds it took."""
+        t = time.perf_counter()
+        trajs, stats = self._rollout(it, state)
+        return trajs, stats, time.perf_counter() - t
+
+    def _rollout(self, it: int, state: dict | None) -> tuple[list[Trajectory], dict]:
         if state is not None:
             ray.get(self.worker.load_state.remote(state))
         self._buffer = ray.get(self.worker.state.remote())
@@ -249,6 +278,8 @@ class Cluster:
         (path / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
 
     def close(self) -> None:
+        if self._ahead_pool is not None:
+            self._ahead_pool.shutdown()
         with contextlib.suppress(RayActorError):
             ray.get(self.worker.close.remote())
         ray.util.remove_placement_group(self.pg)

@@ -224,3 +224,22 @@ def test_weight_sync_by_broadcast_trains_like_the_object_store(init_dir, tmp_pat
     assert [r["version"] for r in b] == [1, 2, 3]  # three syncs, each to a new version
     wa, wb = (load_file(finals[m] / "model.safetensors") for m in ("object_store", "broadcast"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_overlap_samples_the_next_iteration_while_this_one_trains(init_dir, tmp_path, ray_local):
+    """cluster.overlap (disaggregated): iteration i + 1's rollout runs during iteration i's training, so its tokens
+    come from the weights before that update — one version behind, corrected per token — except right after a
+    checkpoint, which waits for a quiet buffer. A resume from that checkpoint continues the same way."""
+    from rlk3.cluster.driver import run_rl
+
+    extra = {"run.iterations": 4, "run.checkpoint_every": 2, "cluster.colocate": False, "cluster.overlap": True}
+    run_rl(load_config(ROOT / "configs/quickstart.yaml", overrides(tmp_path / "o", init_dir, **extra)),
+           log=lambda *_: None)
+    r = rows(tmp_path / "o")
+    assert [x["rollout/overlapped"] for x in r] == [1, 0, 1, 0]  # none before a checkpoint or the end
+    assert [x["version"] for x in r] == [1, 2, 3, 4]
+    # iterations 1 and 3 were sampled under version 0 and 2 and trained at 1 and 3: every token is stale
+    assert [x["train/stale_frac"] > 0.99 for x in r] == [False, True, False, True], [x["train/stale_frac"] for x in r]
+    assert all(x["trained"] == 8 for x in r)  # complete groups, nothing lost (λ = 1)
+    with pytest.raises(Exception, match=r"cluster.overlap=true .* set cluster.colocate=false"):
+        load_config(ROOT / "configs/quickstart.yaml", ["cluster.overlap=true"])
