@@ -4,6 +4,7 @@ long-tailed generation-length distribution, with the real engine, agent loop, gr
     python bench/partial_rollout.py                 # k3-tiny, 8 groups x 4 samples, until 12K trained tokens per λ
     python bench/partial_rollout.py --quick         # a smoke run: 4 groups x 4, until 2K trained tokens per λ
     python bench/partial_rollout.py --ray-only      # the Ray driver's overhead: run_rl vs its workers in-process
+    python bench/partial_rollout.py --ray-overlap   # the Ray driver per λ: synchronous vs cluster.overlap
 
 Each λ runs the driver's loop in one process, from the same fitted policy and the same prompt order:
 ``PartialRollouts.iterate`` (schedule, generate, grade) → ``Trainer.step`` → ``engine.update_weights(
@@ -337,6 +338,60 @@ def ray_overhead(model, tok, args) -> dict:
     return dict(rows=out)
 
 
+def ray_overlap(model, tok, args) -> dict:
+    """The Ray driver (``run_rl``) per λ in ``--lams``, two ways: synchronous and colocated (rlk3's default: rollout
+    and training alternate in one bundle), and ``cluster.overlap`` (disaggregated: iteration i + 1's rollout runs
+    while iteration i trains, one policy version behind). Wall time per 1K trained tokens over ``--ray-iterations``
+    iterations (``time/iteration_s``; start-up and the final save excluded), against synchronous λ = 1 in the same
+    run. Same fitted policy and configs/quickstart.yaml settings as ``ray_overhead``; the trainer learns (lr 3e-4),
+    so the runs' lengths drift apart a little, which the per-token normalisation absorbs."""
+    import json
+    import tempfile
+
+    import ray
+
+    from rlk3.cluster.driver import run_rl
+    from rlk3.config import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    out = []
+    with tempfile.TemporaryDirectory(prefix="rlk3-bench-overlap-") as tmp:
+        init = Path(tmp) / "init"
+        model.save_pretrained(str(init))
+        tok.save_pretrained(str(init))
+        for lam in [float(x) for x in args.lams.split(",")]:
+            for mode, extra in (("sync", {}), ("overlap", {"cluster.colocate": False, "cluster.overlap": True})):
+                run = f"{tmp}/{mode}-{lam}"
+                over = {"run.output_dir": run, "model.init_from": str(init), "run.iterations": args.ray_iterations,
+                        "run.checkpoint_every": 1000, "run.eval_every": 1000, "run.seed": args.seed,
+                        "cluster.cpu_threads": args.threads, "rollout.lam": lam,
+                        "rollout.groups_per_iteration": args.groups, "rollout.group_size": args.group_size,
+                        "rollout.max_new_tokens": args.max_new_tokens, "rollout.max_total_tokens": 2048,
+                        "rollout.max_staleness": args.max_staleness, "train.qb_update": args.qb_update,
+                        "train.dead_signal_patience": 10**9, **extra}
+                os.environ.pop("RAY_ADDRESS", None)
+                run_rl(load_config(root / "configs/quickstart.yaml", [f"{k}={v}" for k, v in over.items()]),
+                       log=lambda *_: None)
+                ray.shutdown()
+                rs = [json.loads(x) for x in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+                tokens = sum(int(r.get("train/tokens", 0)) for r in rs)
+                wall = sum(r["time/iteration_s"] for r in rs)
+                out.append(dict(lam=lam, mode=mode, iterations=len(rs), trained_tokens=tokens, wall_s=wall,
+                                s_per_1k_tokens=1000 * wall / max(tokens, 1),
+                                rollout_s=sum(r["time/rollout_s"] for r in rs) / len(rs),
+                                train_s=sum(r["time/train_s"] for r in rs) / len(rs),
+                                overlap_wait_s=sum(r["time/overlap_wait_s"] for r in rs) / len(rs),
+                                sync_s=sum(r["time/sync_s"] for r in rs) / len(rs),
+                                overlapped=sum(r["rollout/overlapped"] for r in rs),
+                                staleness_max=max(r["staleness/max"] for r in rs),
+                                load_average=os.getloadavg()[0]))
+                print(f"  {mode} λ={lam}: {tokens} trained tokens, {wall:.1f}s", flush=True)
+    base = next(r for r in out if r["lam"] == 1.0 and r["mode"] == "sync")
+    for r in out:
+        r["ratio_vs_sync_lam1"] = r["s_per_1k_tokens"] / base["s_per_1k_tokens"]
+    return dict(rows=out)
+
+
 # ------------------------------------------------------------------------------------------------ main
 
 
@@ -361,6 +416,8 @@ def main() -> None:
     ap.add_argument("--qb-update", action="store_true", help="Quantile Balancing router-bias updates on")
     ap.add_argument("--ray", action="store_true", help="also the Ray driver's overhead (see ray_overhead)")
     ap.add_argument("--ray-only", action="store_true", help="only the Ray driver's overhead")
+    ap.add_argument("--ray-overlap", action="store_true",
+                    help="only the Ray driver per λ, synchronous vs cluster.overlap (see ray_overlap)")
     ap.add_argument("--ray-lam", type=float, default=0.7)
     ap.add_argument("--ray-iterations", type=int, default=8)
     ap.add_argument("--out", default="partial_rollout")
@@ -382,6 +439,16 @@ def main() -> None:
 
     result = dict(args={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, demos=DEMOS,
                   efforts=EFFORTS, fit_s=fit_s, policy=how, threads=args.threads)
+    if args.ray_overlap:
+        result["ray_overlap"] = ov = ray_overlap(model, tok, args)
+        print(f"\nRay driver, synchronous (colocated) vs cluster.overlap (disaggregated), {args.ray_iterations} "
+              f"iterations each, configs/quickstart.yaml, {args.groups} groups x {args.group_size}")
+        print_table(ov["rows"], ["lam", "mode", "iterations", "trained_tokens", "wall_s", "s_per_1k_tokens",
+                                 "ratio_vs_sync_lam1", "rollout_s", "train_s", "overlap_wait_s", "sync_s",
+                                 "overlapped", "staleness_max", "load_average"])
+        result["load_average_end"] = os.getloadavg()
+        write_json(args.out + "-overlap", result)
+        return
     if not args.ray_only:
         result["rows"] = rows = asyncio.run(run_lambdas(model, tok, [float(x) for x in args.lams.split(",")], args))
         for r in rows:
