@@ -195,7 +195,8 @@ async def favor_dynamic_cgroups(reaper: Reaper, v2_root: Path | None = None) -> 
     uncontended atomic instead). systemd >= 255 can mount cgroup2 this way too. It lasts until the next
     reboot; a host that refuses the remount keeps working, only slower."""
     v2_root = v2_root or _v2_root()
-    opts = next((f[3].split(",") for f in _mounts() if f[1] == str(v2_root) and f[2] == "cgroup2"), None)
+    mounts = (line.split() for line in Path("/proc/self/mounts").read_text().splitlines())
+    opts = next((f[3].split(",") for f in mounts if f[1] == str(v2_root) and f[2] == "cgroup2"), None)
     if opts is None:
         return False
     if "favordynmods" in opts:
@@ -210,10 +211,6 @@ async def favor_dynamic_cgroups(reaper: Reaper, v2_root: Path | None = None) -> 
             out.strip(),
         )
     return code == 0
-
-
-def _mounts() -> list[list[str]]:
-    return [line.split() for line in Path("/proc/self/mounts").read_text().splitlines()]
 
 
 class Cgroups:

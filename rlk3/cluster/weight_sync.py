@@ -14,12 +14,14 @@ tensors, so tests run them between ordinary processes as well as between Ray act
 Broadcast protocol (one ``send`` ↔ one ``recv``): a header — the layout as JSON bytes (names, shapes, dtypes, in
 send order) preceded by its length — then one flat buffer per bucket of same-dtype tensors of at most
 ``bucket_bytes``. The receiver learns everything from the header, so a trainer in fp32 can feed an engine in bf16
-(the engine's ``copy_`` converts) and a layout mismatch is reported by name, not as a shape error deep in NCCL.
+(the engine's ``copy_`` converts), and a name or shape the engine does not have is refused by
+``RolloutEngine.update_weights`` by name, not met as a size mismatch deep in NCCL.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -76,10 +78,10 @@ class WeightGroup:
         layout = json.loads(bytes(header.cpu().numpy()).decode())
         for bucket in _buckets(layout, self.bucket_bytes):
             dtype = _DTYPES[bucket[0][2]]
-            flat = self._bcast(torch.empty(sum(_numel(s) for _, s, _ in bucket), dtype=dtype, device=self.device))
+            flat = self._bcast(torch.empty(sum(math.prod(s) for _, s, _ in bucket), dtype=dtype, device=self.device))
             at = 0
             for name, shape, _ in bucket:
-                k = _numel(shape)
+                k = math.prod(shape)
                 yield name, flat[at : at + k].view(shape)
                 at += k
 
@@ -88,18 +90,11 @@ class WeightGroup:
         self.store = None
 
 
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def _buckets(layout: list, cap: int) -> Iterator[list]:
     """Consecutive same-dtype runs of the layout, cut at ``cap`` bytes (a tensor larger than ``cap`` goes alone)."""
     bucket, size = [], 0
     for entry in layout:
-        nbytes = _numel(entry[1]) * torch.empty(0, dtype=_DTYPES[entry[2]]).element_size()
+        nbytes = math.prod(entry[1]) * _DTYPES[entry[2]].itemsize
         if bucket and (entry[2] != bucket[0][2] or size + nbytes > cap):
             yield bucket
             bucket, size = [], 0

@@ -154,6 +154,7 @@ class TrainWorker:
         setup_process(cfg)
         self.cfg, self.rank, self.world = cfg, rank, world
         self.trainer = None
+        self.wgroup = None  # cluster.weight_sync: broadcast (rank 0 only)
         if world == 1:
             self._build()
 
@@ -206,9 +207,8 @@ class TrainWorker:
         from rlk3.cluster.weight_sync import WeightGroup
 
         if self.rank == 0:
-            old = getattr(self, "wgroup", None)  # a restarted rollout worker means a new group
-            if old is not None:
-                old.close()
+            if self.wgroup is not None:  # a restarted rollout worker means a new group
+                self.wgroup.close()
             self.wgroup = WeightGroup(host, port, 0, device=str(self.trainer.device))
 
     def send_weights(self) -> int:
