@@ -71,6 +71,10 @@ class SFTConfig:
     max_length: int = 384
     warmup_ratio: float = 0.05
     demo_error_rate: float = 0.15  # demonstrations are imperfect on purpose: RL needs headroom
+    # the general demonstrations at these efforts written with a systematic habit (every change read as a gain):
+    # random slips a greedy policy averages away; a majority habit it copies and RL corrects (docs/sft.md)
+    demo_habit_rate: float = 0.0
+    demo_habit_efforts: list[str] = field(default_factory=lambda: ["high"])
     vocab_size: int = 4096  # the tokenizer trained on the demonstrations (k3-tiny's vocab)
 
 
@@ -321,6 +325,9 @@ def validate(cfg: Config) -> None:
     if cfg.sft.effort_weights and sum(cfg.sft.effort_weights.values()) <= 0:
         raise ConfigError(f"sft.effort_weights must have a positive sum, got {dict(cfg.sft.effort_weights)}")
     _range("sft.demo_error_rate", cfg.sft.demo_error_rate, 0, 1)
+    _range("sft.demo_habit_rate", cfg.sft.demo_habit_rate, 0, 1)
+    for e in cfg.sft.demo_habit_efforts:
+        _in("sft.demo_habit_efforts entry", e, EFFORTS)
     _range("sft.vocab_size", cfg.sft.vocab_size, 300)
     _range("sft.max_length", cfg.sft.max_length, 16)
     r = cfg.rollout

@@ -68,9 +68,15 @@ def _step(a: int, x: int, total: int) -> str:
     return f"{a} + {x} = {total}." if x >= 0 else f"{a} - {-x} = {total}."
 
 
-def reasoning(problem: Problem, effort: str, slip: int = 0, rng: random.Random | None = None) -> tuple[str, int]:
+def reasoning(problem: Problem, effort: str, slip: int = 0, rng: random.Random | None = None,
+              unsigned: bool = False) -> tuple[str, int]:
     """The worked solution at an effort level, and the answer it reaches. ``slip`` ≠ 0 puts an arithmetic
-    error of that size into one step (demonstrations are imperfect on purpose, so RL has headroom)."""
+    error of that size into one step (demonstrations are imperfect on purpose, so RL has headroom).
+    ``unsigned`` is a careless demonstrator's habit: every change is read as a gain (``12 - 4`` written and
+    computed as ``12 + 4 = 16``), so the solution is consistently wrong whenever something is taken away."""
+    if unsigned:
+        problem = Problem((problem.numbers[0], *map(abs, problem.numbers[1:])), problem.word, problem.name,
+                          problem.item)
     nums, totals = list(problem.numbers), problem.totals
     slip_at = (rng or random.Random(0)).randrange(len(totals)) if slip else -1
     lines, acc = [], nums[0]

@@ -7,8 +7,11 @@ the agent loop would accept) and *executed* to get real tool results. Effort cha
 reasons: every step explained (high), only the plan (medium), nothing (low) — and for arithmetic, every
 intermediate total, two operations per line, or none.
 
-Demonstrations are imperfect on purpose (``error_rate``): an arithmetic slip, a mistyped answer, an off-by-one
-constant. SFT then gives RL a base with headroom, as in the write-up's SFT → RL pipeline.
+Demonstrations are imperfect on purpose, so SFT gives RL a base with headroom, as in the write-up's SFT → RL
+pipeline. Two kinds: random errors (``error_rate``: an arithmetic slip, a mistyped answer, an off-by-one constant),
+which a greedy policy averages away, and a systematic habit (``habit_rate`` of the general demonstrations at
+``habit_efforts`` read every change as a gain: ``12 - 4`` becomes ``12 + 4 = 16``), which imitation copies when it is
+the majority and which only a reward that checks the answer corrects (docs/sft.md, "The demonstrator's habit").
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class Demo:
     preset: str
     messages: list[dict] = field(default_factory=list)
     correct: bool = True  # False when an error was put in on purpose
+    habit: bool = False  # written with the demonstrator's habit (general: every change read as a gain)
 
 
 def _thought(effort: str, i: int, text: str) -> str | None:
@@ -51,10 +55,11 @@ def _corrupt_answer(answer: str, rng: random.Random) -> str:
     return answer[:i] + str((int(answer[i]) + rng.randint(1, 9)) % 10) + answer[i + 1 :]
 
 
-def _general(task: Task, effort: str, h: Harness, budgets, err: bool, rng) -> tuple[list[dict], bool]:
+def _general(task: Task, effort: str, h: Harness, budgets, err: bool, rng, habit: bool = False
+             ) -> tuple[list[dict], bool]:
     p = general.problem_of(task)
     slip = rng.choice([-3, -2, -1, 1, 2, 3]) if err else 0
-    text, answer = general.reasoning(p, effort, slip=slip, rng=rng)
+    text, answer = general.reasoning(p, effort, slip=slip, rng=rng, unsigned=habit)
     msgs = h.start(task.prompt, effort=effort, budget=budgets[effort])
     reply = {"role": "assistant", "content": f"Answer: {answer}"}
     if text:
@@ -120,9 +125,12 @@ async def build_demos_async(
     start: int = 0,
     concurrency: int = 8,
     effort_weights: dict[str, float] | None = None,
+    habit_rate: float = 0.0,
+    habit_efforts: tuple[str, ...] = ("high",),
 ) -> list[Demo]:
     """``n`` demonstrations on the first training tasks of ``domain``, each at an effort drawn uniformly (or by
-    ``effort_weights``), a fraction ``error_rate`` of them wrong on purpose."""
+    ``effort_weights``), a fraction ``error_rate`` of them wrong on purpose; for ``general``, a fraction
+    ``habit_rate`` of those at ``habit_efforts`` written with the unsigned habit (module docstring)."""
     budgets = budgets or DEFAULT_BUDGETS
     preset = preset or DOMAIN_PRESETS[domain]
     h = Harness(preset, tokenizer=tokenizer)
@@ -134,19 +142,22 @@ async def build_demos_async(
 
     plan = [(t, effort(), rng.random() < error_rate, random.Random(rng.random()))
             for t in get_tasks(domain, "train", n, start=start)]
+    # its own stream: a habit rate of 0 leaves every other demonstration as it was
+    hrng = random.Random(f"habit|{domain}|{seed}")
+    habits = [domain == "general" and e in habit_efforts and hrng.random() < habit_rate for _, e, _, _ in plan]
     local = LocalWorkdirs(workdir=h.preset.workdir)
     sem = asyncio.Semaphore(concurrency)
 
-    async def one(task, effort, err, r):
+    async def one(task, effort, err, r, habit):
         async with sem:
             if domain == "general":
-                msgs, ok = _general(task, effort, h, budgets, err, r)
+                msgs, ok = _general(task, effort, h, budgets, err, r, habit)
             else:
                 msgs, ok = await _agentic(task, effort, h, budgets, err, r, local)
-            return Demo(task.task_id, domain, effort, preset, msgs, ok)
+            return Demo(task.task_id, domain, effort, preset, msgs, ok, habit)
 
     try:
-        return list(await asyncio.gather(*(one(*p) for p in plan)))
+        return list(await asyncio.gather(*(one(*p, habit) for p, habit in zip(plan, habits))))
     finally:
         local.close()
 

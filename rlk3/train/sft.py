@@ -114,7 +114,8 @@ def run_sft(cfg, log=print) -> Path:
     for domain in cfg.tasks.domains:
         n = cfg.sft.domain_demos.get(domain, cfg.sft.demos_per_domain)
         demos += build_demos(domain, n, error_rate=cfg.sft.demo_error_rate, seed=cfg.run.seed,
-                             preset=DOMAIN_PRESETS[domain], effort_weights=dict(cfg.sft.effort_weights) or None)
+                             preset=DOMAIN_PRESETS[domain], effort_weights=dict(cfg.sft.effort_weights) or None,
+                             habit_rate=cfg.sft.demo_habit_rate, habit_efforts=tuple(cfg.sft.demo_habit_efforts))
     demos_s = time.time() - t0
     counts = {d: sum(x.domain == d for x in demos) for d in cfg.tasks.domains}
     log(f"sft: {len(demos)} demonstrations ({', '.join(f'{d} {n}' for d, n in counts.items())}) in {demos_s:.1f}s")
@@ -172,6 +173,7 @@ def run_sft(cfg, log=print) -> Path:
         "stage": "sft",
         "demonstrations": counts,
         "imperfect_demonstrations": sum(not d.correct for d in demos),
+        "habit_demonstrations": sum(d.habit for d in demos),
         "efforts": {e: sum(d.effort == e for d in demos) for e in ("low", "medium", "high")},
         "rows": len(rows),
         "dropped_over_max_length": dropped,

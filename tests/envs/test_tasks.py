@@ -33,6 +33,21 @@ def test_general_reasoning_reaches_the_answer_and_slips_change_it():
     assert lengths["low"] < lengths["medium"] < lengths["high"]
 
 
+def test_the_unsigned_habit_adds_what_is_taken_away():
+    seen = 0
+    for t in get_tasks("general", "heldout", 200):
+        p = general.problem_of(t)
+        text, ans = general.reasoning(p, "high", unsigned=True)
+        assert ans == p.numbers[0] + sum(abs(x) for x in p.numbers[1:])
+        assert " - " not in text
+        if any(x < 0 for x in p.numbers[1:]):  # then, and only then, the habit's answer is wrong
+            seen += 1
+            assert ans != p.answer
+        else:
+            assert (text, ans) == general.reasoning(p, "high")
+    assert seen > 50
+
+
 def run_solution(task, tmp_path):
     """Execute the reference tool calls for real (bash in a scratch directory) and return the outputs."""
     for path, text in task.files.items():
