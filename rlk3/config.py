@@ -61,6 +61,17 @@ class HarnessConfig:
 
 
 @dataclass
+class HabitStageConfig:
+    """A closing SFT stage on one careless demonstrator's general solutions, most of which read every change as a
+    gain: the systematic flaw imitation leaves in a policy and RL corrects (docs/sft.md, "The closing stage")."""
+
+    demos: int = 0  # 0: no closing stage
+    rate: float = 0.65  # share of its demonstrations written with the habit
+    efforts: list[str] = field(default_factory=lambda: ["high"])
+    lr: float = 3e-4  # constant, a fresh AdamW
+
+
+@dataclass
 class SFTConfig:
     demos_per_domain: int = 2000
     domain_demos: dict[str, int] = field(default_factory=dict)  # domain -> count, replacing demos_per_domain there
@@ -71,10 +82,7 @@ class SFTConfig:
     max_length: int = 384
     warmup_ratio: float = 0.05
     demo_error_rate: float = 0.15  # demonstrations are imperfect on purpose: RL needs headroom
-    # the general demonstrations at these efforts written with a systematic habit (every change read as a gain):
-    # random slips a greedy policy averages away; a majority habit it copies and RL corrects (docs/sft.md)
-    demo_habit_rate: float = 0.0
-    demo_habit_efforts: list[str] = field(default_factory=lambda: ["high"])
+    habit_stage: HabitStageConfig = field(default_factory=lambda: HabitStageConfig())
     vocab_size: int = 4096  # the tokenizer trained on the demonstrations (k3-tiny's vocab)
 
 
@@ -325,9 +333,15 @@ def validate(cfg: Config) -> None:
     if cfg.sft.effort_weights and sum(cfg.sft.effort_weights.values()) <= 0:
         raise ConfigError(f"sft.effort_weights must have a positive sum, got {dict(cfg.sft.effort_weights)}")
     _range("sft.demo_error_rate", cfg.sft.demo_error_rate, 0, 1)
-    _range("sft.demo_habit_rate", cfg.sft.demo_habit_rate, 0, 1)
-    for e in cfg.sft.demo_habit_efforts:
-        _in("sft.demo_habit_efforts entry", e, EFFORTS)
+    hs = cfg.sft.habit_stage
+    _range("sft.habit_stage.demos", hs.demos, 0)
+    _range("sft.habit_stage.rate", hs.rate, 0, 1)
+    _range("sft.habit_stage.lr", hs.lr, 0, lo_open=True)
+    for e in hs.efforts:
+        _in("sft.habit_stage.efforts entry", e, EFFORTS)
+    if hs.demos and "general" not in cfg.tasks.domains:
+        raise ConfigError("sft.habit_stage.demos > 0 needs 'general' in tasks.domains: the habit is the general "
+                          f"domain's; got tasks.domains={list(cfg.tasks.domains)}")
     _range("sft.vocab_size", cfg.sft.vocab_size, 300)
     _range("sft.max_length", cfg.sft.max_length, 16)
     r = cfg.rollout

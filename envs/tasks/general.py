@@ -72,10 +72,10 @@ def reasoning(problem: Problem, effort: str, slip: int = 0, rng: random.Random |
               unsigned: bool = False) -> tuple[str, int]:
     """The worked solution at an effort level, and the answer it reaches. ``slip`` ≠ 0 puts an arithmetic
     error of that size into one step (demonstrations are imperfect on purpose, so RL has headroom).
-    ``unsigned`` is a careless copyist's habit: the operands of a written sum (``Compute 12 - 4 + 7.``) are copied
-    without their signs (``12 + 4 = 16. 16 + 7 = 23.``), so the solution is consistently wrong whenever the sum
-    subtracts; word problems, which state each change in words, are read correctly."""
-    if unsigned and not problem.word:
+    ``unsigned`` is a careless demonstrator's habit: every change is read as a gain (``12 - 4`` written and
+    computed as ``12 + 4 = 16``, "gives away 4" as "+ 4"), so the solution is consistently wrong whenever something
+    is taken away."""
+    if unsigned:
         problem = Problem((problem.numbers[0], *map(abs, problem.numbers[1:])), problem.word, problem.name,
                           problem.item)
     nums, totals = list(problem.numbers), problem.totals

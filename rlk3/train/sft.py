@@ -103,6 +103,32 @@ def _cpu_s(who: int) -> float:
     return r.ru_utime + r.ru_stime
 
 
+def habit_stage(cfg, model, tok, trainer_cls, args, log) -> dict:
+    """The closing stage (docs/sft.md): one epoch at a constant learning rate, a fresh AdamW, on general
+    demonstrations of tasks the main stage did not see, ``habit_stage.rate`` of them written with the habit."""
+    from dataclasses import replace
+
+    from datasets import Dataset
+
+    hs = cfg.sft.habit_stage
+    start = cfg.sft.domain_demos.get("general", cfg.sft.demos_per_domain)
+    demos = build_demos("general", hs.demos, tokenizer=tok, error_rate=0.0, seed=cfg.run.seed, start=start,
+                        effort_weights={e: 1.0 for e in hs.efforts}, habit_rate=hs.rate,
+                        habit_efforts=tuple(hs.efforts))
+    rows, _ = tokenized_rows(demos, tok, cfg.sft.max_length)
+    random.Random(cfg.run.seed + 1).shuffle(rows)
+    stage_args = replace(args, output_dir=str(Path(args.output_dir) / "habit_stage"), learning_rate=hs.lr,
+                         num_train_epochs=1.0, lr_scheduler_type="constant", warmup_steps=0)
+    trainer = trainer_cls(model=model, args=stage_args, train_dataset=Dataset.from_list(rows), processing_class=tok)
+    t0 = time.time()
+    trainer.train()
+    habits = sum(d.habit for d in demos)
+    log(f"sft: closing stage, {len(demos)} general demonstrations ({habits} with the habit) at "
+        f"{'/'.join(hs.efforts)} effort, {trainer.state.global_step} steps in {time.time() - t0:.0f}s")
+    return {"demonstrations": len(demos), "habit_demonstrations": habits, "efforts": list(hs.efforts),
+            "steps": trainer.state.global_step, "lr": hs.lr}
+
+
 def run_sft(cfg, log=print) -> Path:
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
@@ -114,8 +140,7 @@ def run_sft(cfg, log=print) -> Path:
     for domain in cfg.tasks.domains:
         n = cfg.sft.domain_demos.get(domain, cfg.sft.demos_per_domain)
         demos += build_demos(domain, n, error_rate=cfg.sft.demo_error_rate, seed=cfg.run.seed,
-                             preset=DOMAIN_PRESETS[domain], effort_weights=dict(cfg.sft.effort_weights) or None,
-                             habit_rate=cfg.sft.demo_habit_rate, habit_efforts=tuple(cfg.sft.demo_habit_efforts))
+                             preset=DOMAIN_PRESETS[domain], effort_weights=dict(cfg.sft.effort_weights) or None)
     demos_s = time.time() - t0
     counts = {d: sum(x.domain == d for x in demos) for d in cfg.tasks.domains}
     log(f"sft: {len(demos)} demonstrations ({', '.join(f'{d} {n}' for d, n in counts.items())}) in {demos_s:.1f}s")
@@ -164,6 +189,7 @@ def run_sft(cfg, log=print) -> Path:
     trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
     cpu_train = _cpu_s(resource.RUSAGE_SELF)
     result = trainer.train()
+    habit = habit_stage(cfg, model, tok, Trainer, args, log) if cfg.sft.habit_stage.demos else None
     cpu_train = _cpu_s(resource.RUSAGE_SELF) - cpu_train
     model.save_pretrained(out)
     tok.save_pretrained(out)
@@ -173,7 +199,7 @@ def run_sft(cfg, log=print) -> Path:
         "stage": "sft",
         "demonstrations": counts,
         "imperfect_demonstrations": sum(not d.correct for d in demos),
-        "habit_demonstrations": sum(d.habit for d in demos),
+        "habit_stage": habit,
         "efforts": {e: sum(d.effort == e for d in demos) for e in ("low", "medium", "high")},
         "rows": len(rows),
         "dropped_over_max_length": dropped,

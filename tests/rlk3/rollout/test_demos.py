@@ -22,15 +22,17 @@ def test_habit_applies_at_its_efforts_in_about_its_share_of_general_demos():
     for c, h in zip(clean, habit):
         reply = h.messages[-1].get("reasoning_content", "")
         if h.habit:
-            assert " - " not in reply or "has" in h.messages[-2]["content"]  # a word problem is read right
+            assert " - " not in reply
         else:
             assert h.messages == c.messages  # the habit's draws do not shift anyone else's
     # a habit demo of a problem that takes something away reaches a wrong answer and says so
     assert any(d.habit and not d.correct for d in high)
 
 
-def test_habit_config_is_validated():
-    with pytest.raises(ConfigError, match=r"sft\.demo_habit_rate"):
-        load_config(CONFIG_DIR / "sft-tiny.yaml", ["sft.demo_habit_rate=1.5"])
-    with pytest.raises(ConfigError, match=r"demo_habit_efforts.*extreme"):
-        load_config(CONFIG_DIR / "sft-tiny.yaml", ["sft.demo_habit_efforts=[extreme]"])
+def test_habit_stage_config_is_validated():
+    with pytest.raises(ConfigError, match=r"sft\.habit_stage\.rate"):
+        load_config(CONFIG_DIR / "sft-tiny.yaml", ["sft.habit_stage.rate=1.5"])
+    with pytest.raises(ConfigError, match=r"habit_stage\.efforts.*extreme"):
+        load_config(CONFIG_DIR / "sft-tiny.yaml", ["sft.habit_stage.efforts=[extreme]"])
+    with pytest.raises(ConfigError, match=r"needs 'general' in tasks\.domains"):
+        load_config(CONFIG_DIR / "sft-tiny.yaml", ["tasks.domains=[agentic]"])
