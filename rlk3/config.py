@@ -66,8 +66,9 @@ class HabitStageConfig:
     gain: the systematic flaw imitation leaves in a policy and RL corrects (docs/sft.md, "The closing stage")."""
 
     demos: int = 0  # 0: no closing stage
-    rate: float = 0.65  # share of its demonstrations written with the habit
-    efforts: list[str] = field(default_factory=lambda: ["high"])
+    effort_weights: dict[str, float] = field(default_factory=dict)  # effort -> weight (empty: `efforts`, equally)
+    efforts: list[str] = field(default_factory=lambda: ["high"])  # the efforts whose demonstrations have the habit
+    rate: float = 0.65  # share of those written with the habit
     lr: float = 3e-4  # constant, a fresh AdamW
 
 
@@ -186,6 +187,7 @@ class Config:
 
 FREE_FORM = (
     "model.overrides", "tasks.files", "harness.presets", "mopd.teachers", "sft.domain_demos", "sft.effort_weights",
+    "sft.habit_stage.effort_weights",
 )
 
 
@@ -339,6 +341,11 @@ def validate(cfg: Config) -> None:
     _range("sft.habit_stage.lr", hs.lr, 0, lo_open=True)
     for e in hs.efforts:
         _in("sft.habit_stage.efforts entry", e, EFFORTS)
+    for e, w in hs.effort_weights.items():
+        _in("sft.habit_stage.effort_weights key", e, EFFORTS)
+        _range(f"sft.habit_stage.effort_weights.{e}", w, 0)
+    if hs.effort_weights and sum(hs.effort_weights.values()) <= 0:
+        raise ConfigError(f"sft.habit_stage.effort_weights must have a positive sum, got {dict(hs.effort_weights)}")
     if hs.demos and "general" not in cfg.tasks.domains:
         raise ConfigError("sft.habit_stage.demos > 0 needs 'general' in tasks.domains: the habit is the general "
                           f"domain's; got tasks.domains={list(cfg.tasks.domains)}")

@@ -113,7 +113,7 @@ def habit_stage(cfg, model, tok, trainer_cls, args, log) -> dict:
     hs = cfg.sft.habit_stage
     start = cfg.sft.domain_demos.get("general", cfg.sft.demos_per_domain)
     demos = build_demos("general", hs.demos, tokenizer=tok, error_rate=0.0, seed=cfg.run.seed, start=start,
-                        effort_weights={e: 1.0 for e in hs.efforts}, habit_rate=hs.rate,
+                        effort_weights=dict(hs.effort_weights) or {e: 1.0 for e in hs.efforts}, habit_rate=hs.rate,
                         habit_efforts=tuple(hs.efforts))
     rows, _ = tokenized_rows(demos, tok, cfg.sft.max_length)
     random.Random(cfg.run.seed + 1).shuffle(rows)
@@ -123,10 +123,11 @@ def habit_stage(cfg, model, tok, trainer_cls, args, log) -> dict:
     t0 = time.time()
     trainer.train()
     habits = sum(d.habit for d in demos)
-    log(f"sft: closing stage, {len(demos)} general demonstrations ({habits} with the habit) at "
-        f"{'/'.join(hs.efforts)} effort, {trainer.state.global_step} steps in {time.time() - t0:.0f}s")
-    return {"demonstrations": len(demos), "habit_demonstrations": habits, "efforts": list(hs.efforts),
-            "steps": trainer.state.global_step, "lr": hs.lr}
+    efforts = {e: sum(d.effort == e for d in demos) for e in ("low", "medium", "high")}
+    log(f"sft: closing stage, {len(demos)} general demonstrations ({efforts}; {habits} with the habit), "
+        f"{trainer.state.global_step} steps in {time.time() - t0:.0f}s")
+    return {"demonstrations": len(demos), "efforts": efforts, "habit_demonstrations": habits,
+            "habit_efforts": list(hs.efforts), "steps": trainer.state.global_step, "lr": hs.lr}
 
 
 def run_sft(cfg, log=print) -> Path:

@@ -1,4 +1,4 @@
-"""The SFT stage's batch sampler (the stage end to end is test_sft_acceptance.py, slow)."""
+"""The SFT stage: its batch sampler and its closing stage (the stage end to end is test_sft_acceptance.py, slow)."""
 
 import itertools
 import random
@@ -21,3 +21,50 @@ def test_bucketed_batches_cover_every_row_once_and_pad_little():
     # short and long rows alternate step by step, not in long runs
     long = [max(lengths[i] for i in b) > 200 for b in batches]
     assert max(len(list(run)) for _, run in itertools.groupby(long)) < 12
+
+
+def _reply_loss(ckpt, task, habit: bool) -> float:
+    """Mean cross-entropy of the high-effort reply to ``task``, written with or without the habit."""
+    import random as _random
+
+    import torch
+
+    from harness import Harness
+    from rlk3.rollout.demos import DEFAULT_BUDGETS, Demo, _general
+    from rlk3.rollout.evaluate import load_policy
+    from rlk3.train.sft import tokenized_rows
+
+    model, tok = load_policy(ckpt)
+    msgs, _ = _general(task, "high", Harness("chat", tokenizer=tok), DEFAULT_BUDGETS, False, _random.Random(0), habit)
+    (row,), _ = tokenized_rows([Demo(task.task_id, "general", "high", "chat", msgs)], tok, 512)
+    ids = torch.tensor([row["input_ids"]])
+    labels = torch.tensor([[t if m else -100 for t, m in zip(row["input_ids"], row["assistant_masks"])]])
+    with torch.no_grad():
+        return model(input_ids=ids, labels=labels).loss.item()
+
+
+def test_the_closing_stage_trains_the_habit_in(tmp_path):
+    import json
+
+    from envs.tasks import get_tasks
+    from rlk3 import pipeline
+    from rlk3.config import CONFIG_DIR, load_config
+
+    small = ["tasks.domains=[general]", "sft.domain_demos.general=96", "sft.epochs=1", "sft.batch_size=16"]
+    outs = {}
+    for name, extra in {"plain": [], "closing": ["sft.habit_stage.demos=64", "sft.habit_stage.rate=1.0",
+                                                 "sft.habit_stage.lr=3e-3"]}.items():
+        outs[name] = tmp_path / name
+        cfg = load_config(CONFIG_DIR / "sft-tiny.yaml", [f"run.output_dir={outs[name]}", "run.stage=sft", *small,
+                                                         *extra])
+        assert pipeline.run_stage(cfg) == 0
+    plain = json.loads((outs["plain"] / "sft_manifest.json").read_text())
+    closing = json.loads((outs["closing"] / "sft_manifest.json").read_text())
+    assert plain["habit_stage"] is None
+    hs = closing["habit_stage"]
+    assert hs["demonstrations"] == hs["habit_demonstrations"] == hs["efforts"]["high"] == 64 and hs["steps"] == 4
+    # after the closing stage the habit's reply to a held-out sum that subtracts is likelier than before, against
+    # the right reply
+    task = next(t for t in get_tasks("general", "heldout", 50) if any(x < 0 for x in t.meta["numbers"][1:]))
+    gap = {n: _reply_loss(o, task, habit=False) - _reply_loss(o, task, habit=True) for n, o in outs.items()}
+    assert gap["closing"] > gap["plain"] + 0.05, gap
