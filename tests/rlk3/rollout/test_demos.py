@@ -35,4 +35,4 @@ def test_habit_stage_config_is_validated():
     with pytest.raises(ConfigError, match=r"habit_stage\.efforts.*extreme"):
         load_config(CONFIG_DIR / "sft-tiny.yaml", ["sft.habit_stage.efforts=[extreme]"])
     with pytest.raises(ConfigError, match=r"needs 'general' in tasks\.domains"):
-        load_config(CONFIG_DIR / "sft-tiny.yaml", ["tasks.domains=[agentic]"])
+        load_config(CONFIG_DIR / "sft-tiny.yaml", ["tasks.domains=[agentic]", "sft.habit_stage.demos=10"])
