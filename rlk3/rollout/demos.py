@@ -11,7 +11,7 @@ Demonstrations are imperfect on purpose, so SFT gives RL a base with headroom, a
 pipeline. Two kinds: random errors (``error_rate``: an arithmetic slip, a mistyped answer, an off-by-one constant),
 which a greedy policy averages away, and a systematic habit (``habit_rate`` of the general demonstrations at
 ``habit_efforts`` read every change as a gain: ``12 - 4`` becomes ``12 + 4 = 16``), which imitation copies when it is
-the majority and which only a reward that checks the answer corrects (docs/sft.md, "The demonstrator's habit").
+the majority and which only a reward that checks the answer corrects (docs/sft.md, "The closing stage").
 """
 
 from __future__ import annotations
