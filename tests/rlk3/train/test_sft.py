@@ -23,8 +23,9 @@ def test_bucketed_batches_cover_every_row_once_and_pad_little():
     assert max(len(list(run)) for _, run in itertools.groupby(long)) < 12
 
 
-def _reply_loss(ckpt, task, habit: bool) -> float:
-    """Mean cross-entropy of the high-effort reply to ``task``, written with or without the habit."""
+def _habit_margin(ckpt, task) -> float:
+    """How much likelier the model finds the habit's high-effort reply to ``task`` than the right one: the right
+    reply's mean cross-entropy minus the habit reply's."""
     import random as _random
 
     import torch
@@ -35,12 +36,15 @@ def _reply_loss(ckpt, task, habit: bool) -> float:
     from rlk3.train.sft import tokenized_rows
 
     model, tok = load_policy(ckpt)
-    msgs, _ = _general(task, "high", Harness("chat", tokenizer=tok), DEFAULT_BUDGETS, False, _random.Random(0), habit)
-    (row,), _ = tokenized_rows([Demo(task.task_id, "general", "high", "chat", msgs)], tok, 512)
-    ids = torch.tensor([row["input_ids"]])
-    labels = torch.tensor([[t if m else -100 for t, m in zip(row["input_ids"], row["assistant_masks"])]])
-    with torch.no_grad():
-        return model(input_ids=ids, labels=labels).loss.item()
+    h = Harness("chat", tokenizer=tok)
+    loss = {}
+    for habit in (False, True):
+        msgs, _ = _general(task, "high", h, DEFAULT_BUDGETS, False, _random.Random(0), habit)
+        (row,), _ = tokenized_rows([Demo(task.task_id, "general", "high", "chat", msgs)], tok, 512)
+        labels = [t if m else -100 for t, m in zip(row["input_ids"], row["assistant_masks"])]
+        with torch.no_grad():
+            loss[habit] = model(input_ids=torch.tensor([row["input_ids"]]), labels=torch.tensor([labels])).loss.item()
+    return loss[False] - loss[True]
 
 
 def test_the_closing_stage_trains_the_habit_in(tmp_path):
@@ -66,5 +70,5 @@ def test_the_closing_stage_trains_the_habit_in(tmp_path):
     # after the closing stage the habit's reply to a held-out sum that subtracts is likelier than before, against
     # the right reply
     task = next(t for t in get_tasks("general", "heldout", 50) if any(x < 0 for x in t.meta["numbers"][1:]))
-    gap = {n: _reply_loss(o, task, habit=False) - _reply_loss(o, task, habit=True) for n, o in outs.items()}
+    gap = {n: _habit_margin(o, task) for n, o in outs.items()}
     assert gap["closing"] > gap["plain"] + 0.05, gap
