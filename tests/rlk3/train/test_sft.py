@@ -56,8 +56,9 @@ def test_the_closing_stage_trains_the_habit_in(tmp_path):
 
     small = ["tasks.domains=[general]", "sft.domain_demos.general=96", "sft.epochs=1", "sft.batch_size=16"]
     outs = {}
-    for name, extra in {"plain": [], "closing": ["sft.habit_stage.demos=64", "sft.habit_stage.rate=1.0",
-                                                 "sft.habit_stage.lr=3e-3"]}.items():
+    runs = {"plain": ["sft.habit_stage.demos=0"],  # configs/sft-tiny.yaml has the stage on
+            "closing": ["sft.habit_stage.demos=64", "sft.habit_stage.rate=1.0", "sft.habit_stage.lr=3e-3"]}
+    for name, extra in runs.items():
         outs[name] = tmp_path / name
         cfg = load_config(CONFIG_DIR / "sft-tiny.yaml", [f"run.output_dir={outs[name]}", "run.stage=sft", *small,
                                                          *extra])
