@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
-import math
 import os
 import statistics
 import sys
@@ -120,22 +119,6 @@ def pct(xs: list[int], q: float) -> float:
     return float(xs[min(len(xs) - 1, int(q * len(xs)))]) if xs else 0.0
 
 
-class TopUpRunning(PartialRollouts):
-    """A what-if, not rlk3's scheduler: top up to ``groups × group_size`` *unfinished* trajectories (DESIGN.md §2,
-    step 1) instead of to ``groups`` prompt groups (partial.py), so the early finishers of a group that waits for a
-    straggler stop holding seats in the batch. The buffer then holds more than ``groups`` groups."""
-
-    def _top_up(self, step: int):
-        unfinished = sum(not t.finished for t in self.buffer)
-        new_groups = max(0, math.ceil((self.groups * self.group_size - unfinished) / self.group_size))
-        have = len({t.group_id for t in self.buffer})
-        self.groups, keep = have + new_groups, self.groups  # PartialRollouts tops up to self.groups groups
-        try:
-            return super()._top_up(step)
-        finally:
-            self.groups = keep
-
-
 class LambdaRun:
     """The driver's loop for one λ without Ray: ``PartialRollouts.iterate`` → ``Trainer.step`` →
     ``engine.update_weights(trainer.weights(), version)``, one iteration per ``iteration()`` call."""
@@ -147,9 +130,8 @@ class LambdaRun:
                               config=LoopConfig(temperature=1.0, max_turn_tokens=args.max_new_tokens,
                                                 max_context_tokens=2048, seed=args.seed))
         source = PromptSource(["general"], EFFORTS, lambda effort, step: None, seed=args.seed)
-        scheduler = TopUpRunning if args.top_up == "running" else PartialRollouts
-        self.pr = scheduler(self.loop, source, groups=args.groups, group_size=args.group_size, lam=lam,
-                            max_staleness=args.max_staleness)
+        self.pr = PartialRollouts(self.loop, source, groups=args.groups, group_size=args.group_size, lam=lam,
+                                  max_staleness=args.max_staleness, top_up=args.top_up)
         self.warnings: list[str] = []
         self.trainer = Trainer(copy.deepcopy(model), TrainConfig(lr=args.lr, dead_signal_patience=10**9,
                                                                  qb_update=args.qb_update), log=self.warnings.append)
@@ -270,7 +252,6 @@ def ray_overhead(model, tok, args) -> dict:
 
     from rlk3.cluster.driver import run_rl
     from rlk3.cluster.workers import RolloutWorker, TrainWorker
-    from rlk3.config import load_config
 
     root = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory(prefix="rlk3-bench-partial-") as tmp:
@@ -278,15 +259,9 @@ def ray_overhead(model, tok, args) -> dict:
         model.save_pretrained(str(init))
         tok.save_pretrained(str(init))
 
-        def cfg(out: str):
-            over = {"run.output_dir": out, "model.init_from": str(init), "run.iterations": args.ray_iterations,
-                    "run.checkpoint_every": 1000, "run.eval_every": 1000, "run.seed": args.seed,
-                    "cluster.cpu_threads": args.threads, "rollout.lam": args.ray_lam,
-                    "rollout.groups_per_iteration": args.groups, "rollout.group_size": args.group_size,
-                    "rollout.max_new_tokens": args.max_new_tokens, "rollout.max_total_tokens": 2048,
-                    "rollout.max_staleness": args.max_staleness, "train.qb_update": args.qb_update,
-                    "train.dead_signal_patience": 10**9, **({"train.lr": args.lr} if args.lr > 0 else {})}
-            return load_config(root / "configs/quickstart.yaml", [f"{k}={v}" for k, v in over.items()])
+        def cfg(out: str):  # the quickstart's own budget (384): these runs predate ray_config's
+            return ray_config(root, init, out, args, **{"effort.budget": 384},
+                              **({"train.lr": args.lr} if args.lr > 0 else {}))
 
         # in-process: what run_rl's loop does, with the workers as plain objects
         c = cfg(f"{tmp}/inproc")
@@ -338,20 +313,53 @@ def ray_overhead(model, tok, args) -> dict:
     return dict(rows=out)
 
 
+def ray_config(root: Path, init: Path, out: str, args, **over):
+    """configs/quickstart.yaml at the bench's scale, from the fitted policy; the effort budget equals
+    ``--max-new-tokens`` so that it never cuts the tail (the bench is about time, not about budgets)."""
+    from rlk3.config import load_config
+
+    base = {"run.output_dir": out, "model.init_from": str(init), "run.iterations": args.ray_iterations,
+            "run.checkpoint_every": 1000, "run.eval_every": 1000, "run.seed": args.seed,
+            "cluster.cpu_threads": args.threads, "rollout.lam": args.ray_lam,
+            "rollout.groups_per_iteration": args.groups, "rollout.group_size": args.group_size,
+            "rollout.max_new_tokens": args.max_new_tokens, "rollout.max_total_tokens": 2048,
+            "effort.budget": args.max_new_tokens, "rollout.max_staleness": args.max_staleness,
+            "train.qb_update": args.qb_update, "train.dead_signal_patience": 10**9}
+    return load_config(root / "configs/quickstart.yaml", [f"{k}={v}" for k, v in (base | over).items()])
+
+
+def ray_lengths(root: Path, init: Path, tmp: str, args) -> dict:
+    """The policy's generated-length distribution under the Ray runs' config: ``--ray-warmup`` synchronous
+    iterations of the rollout worker in-process, nothing trained (the runs' own prompts, before any update)."""
+    from rlk3.cluster.workers import RolloutWorker
+
+    worker = RolloutWorker(ray_config(root, init, f"{tmp}/lengths", args, **{"rollout.lam": 1.0}), f"{tmp}/lengths")
+    lengths = []
+    for it in range(max(args.ray_warmup, 2)):
+        dicts, _ = worker.iterate(it)
+        lengths += [sum(d["loss_mask"]) for d in dicts]
+    worker.close()
+    return dict(samples=len(lengths), p50=pct(lengths, 0.5), p90=pct(lengths, 0.9), p99=pct(lengths, 0.99),
+                max=max(lengths), mean=statistics.mean(lengths),
+                p99_over_p50=pct(lengths, 0.99) / max(pct(lengths, 0.5), 1.0))
+
+
 def ray_overlap(model, tok, args) -> dict:
-    """The Ray driver (``run_rl``) per λ in ``--lams``, two ways: synchronous and colocated (rlk3's default: rollout
-    and training alternate in one bundle), and ``cluster.overlap`` (disaggregated: iteration i + 1's rollout runs
-    while iteration i trains, one policy version behind). Wall time per 1K trained tokens over ``--ray-iterations``
-    iterations (``time/iteration_s``; start-up and the final save excluded), against synchronous λ = 1 in the same
-    run. Same fitted policy and configs/quickstart.yaml settings as ``ray_overhead``; the trainer learns (lr 3e-4),
-    so the runs' lengths drift apart a little, which the per-token normalisation absorbs."""
+    """The Ray driver (``run_rl``) for each λ in ``--lams``, top-up mode (λ < 1: ``--ray-top-ups``) and way of
+    running: synchronous and colocated (rollout and training alternate in one bundle), or ``cluster.overlap``
+    (disaggregated: iteration i + 1's rollout runs while iteration i trains, one policy version behind). Each run
+    does ``--ray-warmup`` + ``--ray-iterations`` iterations; the warm-up ones are not timed (λ < 1's carry-over
+    buffer fills, the overlap's pipeline starts), so the table compares steady states. Wall time per 1K trained
+    tokens (``time/iteration_s``; start-up and the final save excluded), against synchronous λ = 1 in the same run.
+    Same fitted policy as the tables above, configs/quickstart.yaml settings (one effort level, high; the budget
+    set to ``--max-new-tokens``); the trainer learns at the config's lr unless ``--lr`` is given, so each run's
+    lengths drift a little, which the per-token normalisation absorbs."""
     import json
     import tempfile
 
     import ray
 
     from rlk3.cluster.driver import run_rl
-    from rlk3.config import load_config
 
     root = Path(__file__).resolve().parents[1]
     out = []
@@ -359,37 +367,40 @@ def ray_overlap(model, tok, args) -> dict:
         init = Path(tmp) / "init"
         model.save_pretrained(str(init))
         tok.save_pretrained(str(init))
+        lengths = ray_lengths(root, init, tmp, args)
+        print(f"  generated tokens: p50 {lengths['p50']:.0f}, p99 {lengths['p99']:.0f} "
+              f"(p99/p50 = {lengths['p99_over_p50']:.1f}) over {lengths['samples']} samples", flush=True)
         for lam in [float(x) for x in args.lams.split(",")]:
-            for mode, extra in (("sync", {}), ("overlap", {"cluster.colocate": False, "cluster.overlap": True})):
-                run = f"{tmp}/{mode}-{lam}"
-                over = {"run.output_dir": run, "model.init_from": str(init), "run.iterations": args.ray_iterations,
-                        "run.checkpoint_every": 1000, "run.eval_every": 1000, "run.seed": args.seed,
-                        "cluster.cpu_threads": args.threads, "rollout.lam": lam,
-                        "rollout.groups_per_iteration": args.groups, "rollout.group_size": args.group_size,
-                        "rollout.max_new_tokens": args.max_new_tokens, "rollout.max_total_tokens": 2048,
-                        "rollout.max_staleness": args.max_staleness, "train.qb_update": args.qb_update,
-                        "train.dead_signal_patience": 10**9, **extra}
-                os.environ.pop("RAY_ADDRESS", None)
-                run_rl(load_config(root / "configs/quickstart.yaml", [f"{k}={v}" for k, v in over.items()]),
-                       log=lambda *_: None)
-                ray.shutdown()
-                rs = [json.loads(x) for x in (Path(run) / "metrics.jsonl").read_text().splitlines()]
-                tokens = sum(int(r.get("train/tokens", 0)) for r in rs)
-                wall = sum(r["time/iteration_s"] for r in rs)
-                out.append(dict(lam=lam, mode=mode, iterations=len(rs), trained_tokens=tokens, wall_s=wall,
-                                s_per_1k_tokens=1000 * wall / max(tokens, 1),
-                                rollout_s=sum(r["time/rollout_s"] for r in rs) / len(rs),
-                                train_s=sum(r["time/train_s"] for r in rs) / len(rs),
-                                overlap_wait_s=sum(r["time/overlap_wait_s"] for r in rs) / len(rs),
-                                sync_s=sum(r["time/sync_s"] for r in rs) / len(rs),
-                                overlapped=sum(r["rollout/overlapped"] for r in rs),
-                                staleness_max=max(r["staleness/max"] for r in rs),
-                                load_average=os.getloadavg()[0]))
-                print(f"  {mode} λ={lam}: {tokens} trained tokens, {wall:.1f}s", flush=True)
+            for top_up in ["groups"] if lam == 1.0 else args.ray_top_ups.split(","):
+                for mode, extra in (("sync", {}), ("overlap", {"cluster.colocate": False, "cluster.overlap": True})):
+                    run = f"{tmp}/{mode}-{lam}-{top_up}"
+                    over = {"rollout.lam": lam, "rollout.top_up": top_up, "train.share_prompts": args.share_prompts,
+                            "run.iterations": args.ray_warmup + args.ray_iterations, **extra,
+                            **({"train.lr": args.lr} if args.lr > 0 else {})}
+                    os.environ.pop("RAY_ADDRESS", None)
+                    run_rl(ray_config(root, init, run, args, **over), log=lambda *_: None)
+                    ray.shutdown()
+                    rows = [json.loads(x) for x in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+                    rs = rows[args.ray_warmup:]
+                    tokens = sum(int(r.get("train/tokens", 0)) for r in rs)
+                    wall = sum(r["time/iteration_s"] for r in rs)
+                    n = len(rs)
+                    out.append(dict(lam=lam, top_up=top_up, mode=mode, iterations=n, trained_tokens=tokens,
+                                    trained_seqs=sum(r["trained"] for r in rs), wall_s=wall,
+                                    s_per_1k_tokens=1000 * wall / max(tokens, 1),
+                                    launched=sum(r["rollout/launched"] for r in rs) / n,
+                                    rollout_s=sum(r["time/rollout_s"] for r in rs) / n,
+                                    train_s=sum(r["time/train_s"] for r in rs) / n,
+                                    overlap_wait_s=sum(r["time/overlap_wait_s"] for r in rs) / n,
+                                    sync_s=sum(r["time/sync_s"] for r in rs) / n,
+                                    overlapped=sum(r["rollout/overlapped"] for r in rs),
+                                    staleness_max=max(r["staleness/max"] for r in rs),
+                                    load_average=os.getloadavg()[0]))
+                    print(f"  {mode} λ={lam} top-up {top_up}: {tokens} trained tokens, {wall:.1f}s", flush=True)
     base = next(r for r in out if r["lam"] == 1.0 and r["mode"] == "sync")
     for r in out:
         r["ratio_vs_sync_lam1"] = r["s_per_1k_tokens"] / base["s_per_1k_tokens"]
-    return dict(rows=out)
+    return dict(lengths=lengths, rows=out)
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -410,8 +421,8 @@ def main() -> None:
     ap.add_argument("--policy-dir", type=Path, default=None,
                     help="load the fitted policy from here if saved, else fit and save it here")
     ap.add_argument("--quick", action="store_true", help="4 groups x 4, 2K trained tokens per λ")
-    ap.add_argument("--top-up", choices=["groups", "running"], default="groups",
-                    help="groups: rlk3's scheduler; running: the TopUpRunning what-if")
+    ap.add_argument("--top-up", choices=["groups", "trajectories"], default="groups",
+                    help="rollout.top_up for λ < 1 (rlk3/rollout/partial.py)")
     ap.add_argument("--lr", type=float, default=0.0, help="the trainer's learning rate (0: the policy stays fixed)")
     ap.add_argument("--qb-update", action="store_true", help="Quantile Balancing router-bias updates on")
     ap.add_argument("--ray", action="store_true", help="also the Ray driver's overhead (see ray_overhead)")
@@ -419,7 +430,12 @@ def main() -> None:
     ap.add_argument("--ray-overlap", action="store_true",
                     help="only the Ray driver per λ, synchronous vs cluster.overlap (see ray_overlap)")
     ap.add_argument("--ray-lam", type=float, default=0.7)
-    ap.add_argument("--ray-iterations", type=int, default=8)
+    ap.add_argument("--ray-iterations", type=int, default=8, help="timed iterations per Ray run")
+    ap.add_argument("--ray-warmup", type=int, default=4, help="untimed iterations first (--ray-overlap)")
+    ap.add_argument("--share-prompts", action="store_true", help="train.share_prompts in every Ray run "
+                    "(--ray-overlap)")
+    ap.add_argument("--ray-top-ups", default="groups,trajectories", help="rollout.top_up values for λ < 1 "
+                    "(--ray-overlap)")
     ap.add_argument("--out", default="partial_rollout")
     args = ap.parse_args()
     if args.quick:
@@ -443,9 +459,9 @@ def main() -> None:
         result["ray_overlap"] = ov = ray_overlap(model, tok, args)
         print(f"\nRay driver, synchronous (colocated) vs cluster.overlap (disaggregated), {args.ray_iterations} "
               f"iterations each, configs/quickstart.yaml, {args.groups} groups x {args.group_size}")
-        print_table(ov["rows"], ["lam", "mode", "iterations", "trained_tokens", "wall_s", "s_per_1k_tokens",
-                                 "ratio_vs_sync_lam1", "rollout_s", "train_s", "overlap_wait_s", "sync_s",
-                                 "overlapped", "staleness_max", "load_average"])
+        print_table(ov["rows"], ["lam", "top_up", "mode", "iterations", "trained_tokens", "wall_s",
+                                 "s_per_1k_tokens", "ratio_vs_sync_lam1", "launched", "rollout_s", "train_s",
+                                 "overlap_wait_s", "sync_s", "overlapped", "staleness_max", "load_average"])
         result["load_average_end"] = os.getloadavg()
         write_json(args.out + "-overlap", result)
         return

@@ -93,6 +93,7 @@ class RolloutConfig:
     group_size: int = 4  # samples per prompt
     lam: float = 1.0  # fraction of trajectories that must finish before the rest are paused (λ)
     max_staleness: int = 4  # policy versions a carried-over trajectory may lag before it is restarted
+    top_up: str = "groups"  # groups | trajectories: what each iteration tops up to (rlk3/rollout/partial.py)
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 256  # per assistant turn
@@ -123,6 +124,7 @@ class TrainConfig:
     minibatches: int = 1  # optimizer steps per iteration, each on 1/minibatches of the batch (verl: ppo_mini_batch)
     ppo_epochs: int = 1  # passes over the batch per iteration; >1 update against one π_old (the PPO clip's job)
     qb_update: bool = True  # Quantile Balancing bias update after each step
+    share_prompts: bool = False  # a group's prompt runs once in training, its samples from its states (trainer.py)
     qb_bins: int = 1000
     dead_signal_patience: int = 5  # warn, then stop after this many steps without a learning signal
 
@@ -136,6 +138,7 @@ class MOPDConfig:
     max_resident: int = 9  # teachers kept loaded at once (fewer: loaded and offloaded on demand)
 
 
+TOP_UP_MODES = ("groups", "trajectories")  # rlk3/rollout/partial.py
 WEIGHT_SYNC_MODES = ("object_store", "broadcast", "cuda_ipc")  # rlk3/cluster/weight_sync.py
 
 
@@ -356,6 +359,7 @@ def validate(cfg: Config) -> None:
     _range("rollout.group_size", r.group_size, 1)
     _range("rollout.groups_per_iteration", r.groups_per_iteration, 1)
     _range("rollout.max_staleness", r.max_staleness, 0)
+    _in("rollout.top_up", r.top_up, TOP_UP_MODES)
     _range("rollout.temperature", r.temperature, 0, lo_open=True)
     _range("rollout.top_p", r.top_p, 0, 1, lo_open=True)
     _range("rollout.max_new_tokens", r.max_new_tokens, 1)
@@ -366,6 +370,12 @@ def validate(cfg: Config) -> None:
     t = cfg.train
     _range("cluster.train_workers", cfg.cluster.train_workers, 1)
     _in("cluster.weight_sync", cfg.cluster.weight_sync, WEIGHT_SYNC_MODES)
+    if cfg.train.share_prompts and cfg.cluster.train_workers > 1:
+        raise ConfigError(
+            "train.share_prompts=true runs a micro-batch as two forward passes (the prompts, then the samples), "
+            "which data-parallel ranks would not keep in step with each other's placeholder passes: it needs "
+            f"cluster.train_workers=1 (got {cfg.cluster.train_workers})"
+        )
     if cfg.cluster.overlap and cfg.cluster.colocate:
         raise ConfigError(
             "cluster.overlap=true runs the next rollout while training, which needs rollout and training on "

@@ -82,7 +82,7 @@ class RolloutWorker:
         source = PromptSource(list(cfg.tasks.domains), efforts, budget, weights=list(cfg.tasks.weights) or None,
                               train_size=cfg.tasks.train_size, seed=cfg.run.seed)
         self.partial = PartialRollouts(self.loop, source, groups=r.groups_per_iteration, group_size=r.group_size,
-                                       lam=r.lam, max_staleness=r.max_staleness)
+                                       lam=r.lam, max_staleness=r.max_staleness, top_up=r.top_up)
         self.aio = asyncio.new_event_loop()
 
     def pid(self) -> int:

@@ -2,8 +2,9 @@
 
 Each iteration:
 
-1. top up to ``groups`` prompt groups: the groups in the carry-over buffer first, then fresh prompts, each with
-   ``group_size`` samples;
+1. top up with fresh prompt groups of ``group_size`` samples each, after the carry-over buffer's groups:
+   ``top_up="groups"`` (the default) to ``groups`` groups in all, ``top_up="trajectories"`` to
+   ``groups × group_size`` *unfinished* trajectories (see below);
 2. restart carried-over trajectories whose oldest token lags the current policy by more than ``max_staleness``
    versions (their cache and sandbox are dropped; the uid stays, so nothing is lost or duplicated);
 3. run every unfinished trajectory (paused ones resume where they stopped: engine cache and sandbox kept);
@@ -15,11 +16,20 @@ Each iteration:
 5. hand over the groups whose samples have all finished (group-normalised advantages need whole groups); the
    rest — paused samples and the early finishers of their groups — stay in the buffer for the next iteration.
 
-λ = 1 is synchronous RL. With λ < 1 a group trains once its slowest sample finishes, possibly an iteration or two
-later, and its tokens then span several policy versions: the trainer corrects each token by its importance ratio
-against the behaviour log-prob recorded when it was sampled. A larger group makes it more likely that some sample
-is long, so the fraction of groups trained per iteration falls as λ falls and group size grows; the buffer never
-holds more than ``groups`` groups.
+λ = 1 is synchronous RL (the buffer is empty between iterations, and both top-up modes launch ``groups`` groups).
+With λ < 1 a group trains once its slowest sample finishes, possibly an iteration or two later, and its tokens then
+span several policy versions: the trainer corrects each token by its importance ratio against the behaviour
+log-prob recorded when it was sampled.
+
+How λ meets group size, and what the top-up mode changes. A group whose slowest sample is paused keeps its early
+finishers waiting in the buffer; a larger group makes it more likely that some sample is long. Topping up by
+*groups* counts such a group as one of the ``groups`` in flight, so on a long-tailed length distribution an
+iteration may run only one or two unfinished samples per carried group: the engine's batch shrinks, and fewer,
+smaller groups train per iteration. The buffer never holds more than ``groups`` groups. Topping up by
+*trajectories* fills the engine with ``groups × group_size`` unfinished samples every iteration (what a partial
+rollout is for: the tail no longer idles the batch), starting more groups while the carried ones finish; the
+buffer then holds up to ``(max_staleness + 1) × groups`` groups, since every group completes within
+``max_staleness + 1`` iterations of its start (step 4). Either way a group trains only when whole.
 
 The buffer and the prompt position are part of every checkpoint (``state`` / ``load_state``).
 """
@@ -110,9 +120,12 @@ class PartialRollouts:
         lam: float = 1.0,
         max_staleness: int = 4,
         max_parallel: int = 256,
+        top_up: str = "groups",
     ) -> None:
         if not 0.0 < lam <= 1.0:
             raise ValueError(f"rollout.lam must be in (0, 1], got {lam}")
+        if top_up not in ("groups", "trajectories"):
+            raise ValueError(f"rollout.top_up must be 'groups' or 'trajectories', got {top_up!r}")
         self.loop = loop
         self.source = source
         self.groups = groups
@@ -120,15 +133,21 @@ class PartialRollouts:
         self.lam = lam
         self.max_staleness = max_staleness
         self.max_parallel = max_parallel
+        self.top_up = top_up
         self.buffer: list[Trajectory] = []
         self.tasks: dict[str, dict] = {}  # group id -> the task (as a dict, for checkpoints)
 
     # ------------------------------------------------------------------ one iteration
 
+    def _new_groups(self) -> int:
+        if self.top_up == "groups":
+            return self.groups - len({t.group_id for t in self.buffer})
+        unfinished = sum(not t.finished for t in self.buffer)
+        return max(0, math.ceil((self.groups * self.group_size - unfinished) / self.group_size))
+
     def _top_up(self, step: int) -> list[Trajectory]:
-        have = list(dict.fromkeys(t.group_id for t in self.buffer))
         fresh = []
-        for _ in range(self.groups - len(have)):
+        for _ in range(self._new_groups()):
             pos = self.source.position
             prompt = self.source.next(step)
             gid = f"g{pos}"

@@ -40,8 +40,17 @@ class DeadSignalError(RuntimeError):
 
 
 @dataclass
+class SharedPrefix:
+    """``train.share_prompts``: each group's prompt runs once; its members continue from the same states."""
+
+    ids: torch.Tensor  # [G, P] left-padded: each group's prompt but its last token, once
+    mask: torch.Tensor  # [G, P] 1 on real tokens
+    repeats: torch.Tensor  # [G] the group's rows in Batch.ids, which follow each other in group order
+
+
+@dataclass
 class Batch:
-    ids: torch.Tensor  # [B, T] right-padded
+    ids: torch.Tensor  # [B, T] right-padded (with a prefix: each row's tokens after it)
     mask: torch.Tensor  # [B, T-1] 1 on generated target tokens
     behaviour: torch.Tensor  # [B, T-1] behaviour logprobs on targets (0 elsewhere)
     adv: torch.Tensor  # [B, T-1] per-token advantages
@@ -49,6 +58,7 @@ class Batch:
     ref: torch.Tensor | None = None  # [B, T-1] reference log-probs for the KL term, computed once per batch
     empty: bool = False  # a placeholder pass: this rank has less data than another (data parallel)
     valid: torch.Tensor | None = None  # [B, T] bool, False on padding: Quantile Balancing counts real tokens only
+    prefix: SharedPrefix | None = None
 
 
 class Trainer:
@@ -96,28 +106,112 @@ class Trainer:
             longest = max(longest, n)
         if cur:
             groups.append(cur)
+        return [self._padded([trajs[i] for i in g], [advs[i] for i in g]) for g in groups]
+
+    @staticmethod
+    def _padded(trajs: list[Trajectory], advs: list[torch.Tensor], cut: list[int] | None = None) -> Batch:
+        """Right-padded rows of ``trajs``' tokens (from ``cut[r]`` on, when given) and their loss tensors."""
+        cut = cut or [0] * len(trajs)
+        T = max(len(t.token_ids) - c for t, c in zip(trajs, cut))
+        ids = torch.zeros(len(trajs), T, dtype=torch.long)
+        valid = torch.zeros(len(trajs), T, dtype=torch.bool)
+        mask = torch.zeros(len(trajs), T - 1)
+        beh = torch.zeros(len(trajs), T - 1)
+        adv = torch.zeros(len(trajs), T - 1)
+        for r, (t, a, c) in enumerate(zip(trajs, advs, cut)):
+            n = len(t.token_ids) - c
+            ids[r, :n] = torch.tensor(t.token_ids[c:])
+            valid[r, :n] = True
+            m = torch.tensor(t.loss_mask[c + 1:], dtype=torch.float32)
+            mask[r, : n - 1] = m
+            pos = m.nonzero().squeeze(-1)
+            # a first token that is generated has no context to be predicted from: it cannot be trained on
+            skip = t.loss_mask[0]
+            beh[r, pos] = torch.tensor(t.behaviour_logprobs[skip:], dtype=torch.float32)
+            adv[r, pos] = a[skip:]
+        return Batch(ids, mask, beh, adv, valid=valid)
+
+    def _pack_shared(self, trajs: list[Trajectory], advs: list[torch.Tensor]) -> list[Batch]:
+        """``train.share_prompts``: a group's shared prefix is its members' common prompt up to the first generated
+        token, less one token (every trained position then lies in the members' own rows, which start with that
+        token). Rows are packed by their length after the prefix, as ``_pack`` packs whole rows (a group's members
+        may land in different micro-batches: on a long-tailed length distribution padding a group's short samples
+        to its longest would cost more than the prompt); each micro-batch runs the prefixes of the groups it holds
+        once, then its rows from their states. Groups with less than two prompt tokens in common, and groups of
+        one, go through ``_pack``."""
+        by_group: dict[str, list[int]] = {}
+        for i, t in enumerate(trajs):
+            by_group.setdefault(t.group_id, []).append(i)
+        cut = {}
+        for members in by_group.values():
+            ref = trajs[members[0]].token_ids
+            lcp = min(trajs[i].loss_mask.index(1) if 1 in trajs[i].loss_mask else len(trajs[i].loss_mask)
+                      for i in members)
+            for i in members[1:]:
+                ids = trajs[i].token_ids
+                lcp = next((k for k in range(min(lcp, len(ids))) if ids[k] != ref[k]), min(lcp, len(ids)))
+            for i in members:
+                cut[i] = lcp - 1 if lcp >= 2 and len(members) > 1 else 0
+        alone = [i for i in range(len(trajs)) if not cut[i]]
+        parts, cur, longest, prefixes = [], [], 0, {}
+        for i in sorted((i for i in cut if cut[i]), key=lambda i: (len(trajs[i].token_ids) - cut[i], i)):
+            n, g = len(trajs[i].token_ids) - cut[i], trajs[i].group_id
+            grown = {**prefixes, g: cut[i]}  # the prefixes this micro-batch would run, left-padded to the longest
+            cost = max(longest, n) * (len(cur) + 1) + len(grown) * max(grown.values())
+            if cur and cost > self.cfg.micro_batch_tokens:
+                parts.append(cur)
+                cur, longest, grown = [], 0, {g: cut[i]}
+            cur.append(i)
+            longest, prefixes = max(longest, n), grown
+        if cur:
+            parts.append(cur)
         out = []
-        for g in groups:
-            T = max(len(trajs[i].token_ids) for i in g)
-            ids = torch.zeros(len(g), T, dtype=torch.long)
-            valid = torch.zeros(len(g), T, dtype=torch.bool)
-            mask = torch.zeros(len(g), T - 1)
-            beh = torch.zeros(len(g), T - 1)
-            adv = torch.zeros(len(g), T - 1)
-            for r, i in enumerate(g):
-                t = trajs[i]
-                n = len(t.token_ids)
-                ids[r, :n] = torch.tensor(t.token_ids)
-                valid[r, :n] = True
-                m = torch.tensor(t.loss_mask[1:], dtype=torch.float32)
-                mask[r, : n - 1] = m
-                pos = m.nonzero().squeeze(-1)
-                # a first token that is generated has no context to be predicted from: it cannot be trained on
-                skip = t.loss_mask[0]
-                beh[r, pos] = torch.tensor(t.behaviour_logprobs[skip:], dtype=torch.float32)
-                adv[r, pos] = advs[i][skip:]
-            out.append(Batch(ids, mask, beh, adv, valid=valid))
-        return out
+        for part in parts:
+            groups = list(dict.fromkeys(trajs[i].group_id for i in part))  # rows of a group next to each other
+            rows = sorted(part, key=lambda i: (groups.index(trajs[i].group_id), part.index(i)))
+            b = self._padded([trajs[i] for i in rows], [advs[i] for i in rows], [cut[i] for i in rows])
+            heads = [next(i for i in rows if trajs[i].group_id == g) for g in groups]
+            P = max(cut[i] for i in heads)
+            ids = torch.zeros(len(heads), P, dtype=torch.long)
+            mask = torch.zeros(len(heads), P, dtype=torch.long)
+            for r, i in enumerate(heads):
+                ids[r, P - cut[i]:] = torch.tensor(trajs[i].token_ids[: cut[i]])
+                mask[r, P - cut[i]:] = 1
+            repeats = torch.tensor([sum(trajs[i].group_id == g for i in rows) for g in groups])
+            b.prefix = SharedPrefix(ids, mask, repeats)
+            out.append(b)
+        return out + (self._pack([trajs[i] for i in alone], [advs[i] for i in alone]) if alone else [])
+
+    def _logits(self, model, b: Batch, qb: bool = False) -> torch.Tensor:
+        """Logits at every position of ``b.ids`` but the last, [B, T-1, V]. With a shared prefix the prompts run
+        first (left-padded, with their padding mask) and their KDA and MLA states are repeated for each group's
+        rows, which then run only their own tokens — the same logits and gradients as the full rows (tested), for
+        the prompt's compute once per group instead of once per sample. ``qb``: Quantile Balancing records the
+        routing scores of real tokens only (each prompt token once)."""
+        ids = b.ids.to(self.device)
+        policy = model is self.model  # the reference model's routers record nothing
+        if b.prefix is None:
+            if policy:
+                self._score_mask(qb, b.valid)
+            return model(ids).logits[:, :-1]
+        p = b.prefix
+        if policy:
+            self._score_mask(qb, p.mask.bool())
+        out = model(p.ids.to(self.device), attention_mask=p.mask.to(self.device), use_cache=True)
+        cache = out.cache if hasattr(out, "cache") else out.past_key_values
+        cache.batch_repeat_interleave(p.repeats.to(self.device))
+        if policy:
+            own = b.valid.clone()
+            own[:, 0] = False  # every row starts with the prompt's last token: counted in a group's first row only
+            own[torch.cumsum(p.repeats, 0) - p.repeats, 0] = True
+            self._score_mask(qb, own)
+        keys = torch.cat([p.mask.repeat_interleave(p.repeats, 0), b.valid.long()], 1).to(self.device)
+        return model(ids, attention_mask=keys, cache=cache, use_cache=True).logits[:, :-1]
+
+    def _score_mask(self, on: bool, valid: torch.Tensor | None) -> None:
+        for r in self.routers:
+            r.record_scores = on
+            r.score_mask = None if valid is None else valid.flatten()
 
     def step(self, trajs: list[Trajectory]) -> dict[str, float]:
         """One policy update (``minibatches × ppo_epochs`` optimizer steps) on graded trajectories; failed ones
@@ -138,7 +232,8 @@ class Trainer:
             perm = torch.randperm(len(trajs), generator=torch.Generator().manual_seed(1_000_003 + self.version))
             parts = [perm[i::n_mini].tolist() for i in range(n_mini)]
         shares = [self._share(trajs, ix) for ix in parts]  # this rank's part of each (all of it in one process)
-        packed = self._even_out([self._pack([trajs[i] for i in ix], [advs[i] for i in ix]) for ix in shares])
+        pack = self._pack_shared if self.cfg.share_prompts else self._pack
+        packed = self._even_out([pack([trajs[i] for i in ix], [advs[i] for i in ix]) for ix in shares])
         if n_mini * epochs > 1:
             self._old_logprobs([b for mb in packed for b in mb])
         plan = [mb for _ in range(epochs) for mb in packed]
@@ -206,7 +301,7 @@ class Trainer:
         """π_old: the log-probs of the weights this batch started from, fixed for all of its optimizer steps."""
         for b in batches:
             ids = b.ids.to(self.device)
-            b.old, _ = token_logprobs(self.model(ids).logits[:, :-1], ids[:, 1:], self.temperature)
+            b.old, _ = token_logprobs(self._logits(self.model, b), ids[:, 1:], self.temperature)
 
     def _update(self, batches: list[Batch], sums: dict[str, float]) -> float:
         """One optimizer step on the micro-batches of one minibatch; accumulates metrics into ``sums``."""
@@ -216,15 +311,12 @@ class Trainer:
                                                   dtype=torch.float64, device=self.device))
         total_tokens, total_seqs = float(totals[0]), max(float(totals[1]), 1.0)
         for b in batches:
-            for r in self.routers:
-                r.record_scores = self.cfg.qb_update and not b.empty
-                r.score_mask = None if b.valid is None else b.valid.flatten()
             ids, mask = b.ids.to(self.device), b.mask.to(self.device)
-            out = self.model(ids)
-            logp, ent = token_logprobs(out.logits[:, :-1], ids[:, 1:], self.temperature)
+            logits = self._logits(self.model, b, qb=self.cfg.qb_update and not b.empty)
+            logp, ent = token_logprobs(logits, ids[:, 1:], self.temperature)
             if b.ref is None and self.ref_model is not None and self.cfg.kl_coef > 0:  # fixed: once, not per epoch
                 with torch.no_grad():
-                    b.ref, _ = token_logprobs(self.ref_model(ids).logits[:, :-1], ids[:, 1:], self.temperature)
+                    b.ref, _ = token_logprobs(self._logits(self.ref_model, b), ids[:, 1:], self.temperature)
             loss, m = policy_loss(logp, b.behaviour.to(self.device), b.adv.to(self.device), mask, self.loss_cfg,
                                   old_logp=b.old, ref_logp=b.ref, entropy=ent)
             weight = (float(mask.sum()) / max(total_tokens, 1.0) if self.cfg.aggregation == "token-mean"
@@ -236,7 +328,7 @@ class Trainer:
                     sums[k] = sums.get(k, 0.0) + v * (m["tokens"] if k != "tokens" else 1.0)
                 else:
                     sums[k] = max(sums.get(k, 0.0), v)
-            del out
+            del logits
         grad_norm = parallel.to_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
         if not math.isfinite(grad_norm):
             self.opt.zero_grad(set_to_none=True)

@@ -19,12 +19,13 @@ from rlk3.rollout.partial import PartialRollouts, PromptSource
 from rlk3.rollout.trajectory import Status
 
 
-def make(model, tok, *, lam, groups=4, group_size=4, max_staleness=100, seed=0):
+def make(model, tok, *, lam, groups=4, group_size=4, max_staleness=100, seed=0, top_up="groups"):
     engine = RolloutEngine(copy.deepcopy(model), EngineConfig(memory_bytes=128 << 20))
     loop = AgentLoop(EngineFront(engine), {"general": Harness("chat", tok)}, grading=Grading(),
                      config=LoopConfig(temperature=1.0, max_turn_tokens=96, seed=seed))
     source = PromptSource(["general"], ["low", "high"], lambda effort, step: None, seed=seed)
-    return PartialRollouts(loop, source, groups=groups, group_size=group_size, lam=lam, max_staleness=max_staleness)
+    return PartialRollouts(loop, source, groups=groups, group_size=group_size, lam=lam, max_staleness=max_staleness,
+                           top_up=top_up)
 
 
 def perturb(engine, version):
@@ -72,6 +73,39 @@ def test_lambda_half_over_twenty_iterations(general_policy):
     assert set(trained) | left == created and not set(trained) & left, "a trajectory was lost"
     assert mixed_versions > 0, "no trajectory spanned a weight update: the cutoff never paused a running one"
     assert kept_cache > 0
+
+
+@pytest.mark.parametrize("top_up", ["groups", "trajectories"])
+def test_top_up_modes(general_policy, top_up):
+    """``groups`` keeps ``groups`` groups in flight, so carried groups whose early finishers wait shrink the batch;
+    ``trajectories`` keeps ``groups × group_size`` unfinished samples running and starts more groups instead. Both
+    lose and duplicate nothing, train whole groups only, and bound the buffer."""
+    model, tok = general_policy
+    G, S, stale = 3, 4, 2
+    pr = make(model, tok, lam=0.5, groups=G, group_size=S, max_staleness=stale, top_up=top_up)
+    engine = pr.loop.front.engine
+
+    async def go():
+        launched, groups_held, trained, created = [], [], [], set()
+        for it in range(8):
+            ready, stats = await pr.iterate(it, engine.version)
+            launched.append(stats.launched)
+            groups_held.append(len({t.group_id for t in pr.buffer}))
+            created.update(t.uid for t in pr.buffer + ready)
+            assert all(len([t for t in ready if t.group_id == g]) == S for g in {t.group_id for t in ready})
+            trained.extend(t.uid for t in ready)
+            perturb(engine, engine.version + 1)
+        await pr.loop.front.close()
+        return launched, groups_held, trained, created
+
+    launched, groups_held, trained, created = asyncio.run(go())
+    assert len(trained) == len(set(trained)) and set(trained) | {t.uid for t in pr.buffer} == created
+    if top_up == "groups":
+        assert max(groups_held) <= G and max(launched) <= G * S
+        assert min(launched[1:]) < G * S, "expected carried groups to shrink a later iteration's batch"
+    else:
+        assert all(G * S <= n < G * S + S for n in launched), launched
+        assert max(groups_held) <= (stale + 1) * G and max(groups_held) > G, groups_held
 
 
 def test_lambda_one_is_synchronous(general_policy):

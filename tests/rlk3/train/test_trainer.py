@@ -202,3 +202,69 @@ def test_the_first_step_of_a_fresh_adamw_moves_weights_by_about_the_learning_rat
         moved[warmup] = (w - w0).abs()[(w - w0) != 0].median().item()
     assert moved[0] == pytest.approx(1e-3, rel=0.05)
     assert moved[10] == pytest.approx(1e-4, rel=0.05)
+
+
+def shared_prompt_batch(model):
+    """Groups as a rollout makes them: members share their prompt token for token and differ after it (a tool output
+    inside one member's reply, loss-masked); plus a group whose members differ from the first token (nothing to
+    share) and a group of one."""
+    out = []
+    for g, (prompt, gens) in enumerate([(9, [3, 7, 12, 5]), (14, [6, 2, 9]), (5, [4, 4])]):
+        head = torch.randint(5, 300, (prompt,), generator=torch.Generator().manual_seed(100 + g)).tolist()
+        for j, n in enumerate(gens):
+            t = traj(model, f"s{g}-{j}", f"s{g}", float(j % 2), prompt=0, gen=n, seed=10 * g + j)
+            ids = head + t.token_ids
+            mask = [0] * prompt + [1] * n
+            if g == 0 and j == 2:  # a tool's output inside the reply: context, not trained on
+                mask[prompt + 4: prompt + 7] = [0, 0, 0]
+            out.append(_regrade(model, ids, mask, t.uid, t.group_id, t.reward))
+    out += [traj(model, f"d{j}", "d", float(j), seed=50 + j, prompt=6, gen=5) for j in range(2)]  # differ at token 0
+    out.append(traj(model, "solo", "solo", 1.0, seed=60, prompt=7, gen=4))
+    return out
+
+
+def _regrade(model, ids, mask, uid, group, reward):
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    beh = [logp[i - 1, ids[i]].item() for i, m in enumerate(mask) if m]
+    return Trajectory(uid=uid, group_id=group, task_id="t", token_ids=ids, loss_mask=mask, behaviour_logprobs=beh,
+                      policy_versions=[0] * len(beh), reward=reward, status=Status.FINISHED)
+
+
+@pytest.mark.parametrize("micro_batch_tokens", [10_000, 30])
+def test_shared_prompts_give_the_same_gradient_for_less_compute(model, micro_batch_tokens):
+    """``train.share_prompts``: a group's prompt runs once and its members continue from its KDA/MLA states; the
+    gradient, loss and metrics equal the full rows' (to float rounding), with fewer tokens through the model."""
+    trajs = shared_prompt_batch(model)
+    got, metrics, fed = {}, {}, {}
+    for share in (False, True):
+        m = copy.deepcopy(model)
+        tr = Trainer(m, cfg(micro_batch_tokens=micro_batch_tokens, share_prompts=share))
+        tr.opt.step = lambda *a, s=share, m=m, **k: got.update(
+            {s: {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}})
+        fed[share] = 0
+
+        def count(_mod, args, s=share):
+            fed[s] += args[0].numel()
+
+        m.model.embed_tokens.register_forward_pre_hook(count)
+        metrics[share] = tr.step(copy.deepcopy(trajs))
+    assert got[False].keys() == got[True].keys() and got[False]
+    for k in got[False]:
+        torch.testing.assert_close(got[True][k], got[False][k], atol=1e-6, rtol=1e-4, msg=k)
+    for k in ("train/tokens", "train/sequences", "train/loss", "train/is_weight_mean", "train/grad_norm"):
+        assert metrics[True][k] == pytest.approx(metrics[False][k], rel=1e-5, abs=1e-7), k
+    if micro_batch_tokens > 1000:  # one micro-batch: prompts of 9, 14, 5 tokens once instead of 4, 3, 2 times
+        assert fed[True] <= fed[False] - ((4 - 1) * 8 + (3 - 1) * 13 + (2 - 1) * 4), fed
+
+
+def test_shared_prompts_record_each_routed_token_once(model):
+    m = copy.deepcopy(model)
+    tr = Trainer(m, cfg(share_prompts=True, qb_update=True))
+    trajs = shared_prompt_batch(m)
+    (b, *rest) = tr._pack_shared(trajs, tr.advantages(trajs))
+    assert b.prefix is not None and [x.prefix for x in rest] == [None]  # the unshareable groups: one plain batch
+    tr._logits(m, b, qb=True)
+    distinct = int(b.prefix.mask.sum()) + int(b.valid.sum()) - int(b.prefix.repeats.sum()) + len(b.prefix.repeats)
+    for r in tr.routers:
+        assert r.pop_scores().shape[0] == distinct
