@@ -541,7 +541,7 @@ class BwrapBackend:
         t = time.perf_counter()
         code, _ = await self.reaper.run(argv, check=False, timeout=120)
         if code != 0:
-            raise HostError(f"criu dump of sandbox {sid} failed: {_log_tail(img / 'dump.log')}")
+            raise HostError(f"criu dump of sandbox {sid} failed (exit {code}): {_log_tail(img / 'dump.log')}")
         return time.perf_counter() - t
 
     async def restore(self, sid: str, image: str, layers: list[str], upper: str, limits: Limits) -> int:

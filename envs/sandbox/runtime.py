@@ -8,6 +8,7 @@ status and a message naming what was wrong and what would be valid, which the se
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -184,6 +185,9 @@ class Manager:
         self.servers: list[asyncio.AbstractServer] = []
         self.tasks: list[asyncio.Task] = []
         self.gc_lock = asyncio.Lock()
+        # images and layers an operation has made but no record references yet (a fork's checkpoint while its
+        # children restore from it, a snapshot's before it is registered): _gc must not delete them meanwhile
+        self.in_flight: collections.Counter[str] = collections.Counter()
 
     # ====================================================================================== start / stop
     async def start(self) -> None:
@@ -669,6 +673,7 @@ class Manager:
                 self._be(rec).freeze(rec.id)
             elif kind == "memory":
                 rec.image = await self._checkpoint(live)
+                self._release(rec.image)  # the record references it from here on
             else:
                 await self._stop_processes(live)
             rec.state, rec.pause_kind = "paused", kind
@@ -681,9 +686,11 @@ class Manager:
         be = self._be(rec)
         image = new_id("m")
         await self._detach(live)
+        self.in_flight[image] += 1  # held from _gc until the caller's records reference it; it releases it
         try:
             await be.dump(rec.id, rec.agent_pid, image)
         except HostError:
+            self._release(image)
             self.host.delete_image(image)
             # the dump left the tree running: let the agent reconnect
             with contextlib.suppress(Exception):
@@ -711,8 +718,22 @@ class Manager:
         """Wake a held agent (after a dump that left its tree running) and wait for it to reconnect."""
         live.link = await self._wake(live.rec, live.rec.agent_pid, 10)
 
+    def _release(self, *ids: str) -> None:
+        """Let _gc see ``ids`` again (held in ``in_flight`` while no record referenced them)."""
+        self.in_flight.subtract(ids)
+        self.in_flight += collections.Counter()  # drops the ids whose count is back to zero
+
+    @contextlib.contextmanager
+    def _released(self, *ids: str):
+        """Release ``ids`` when the block ends, however it ends."""
+        try:
+            yield
+        finally:
+            self._release(*ids)
+
     async def _copy_running(self, live: Live):
-        """A memory image and a disk layer of a running sandbox, taken at one instant.
+        """A memory image and a disk layer of a running sandbox, taken at one instant, held from _gc until
+        the caller releases them (``self.in_flight``), once its records reference them.
 
         Returns ``(image, layer, relaunch)``: ``relaunch`` is None when the sandbox kept running (the bwrap
         backend: freeze, snapshot, CRIU dump with --leave-running), else a coroutine that restores it from
@@ -722,16 +743,19 @@ class Manager:
         if be.live_checkpoint:
             image, layer = new_id("m"), new_id("l")
             await self._detach(live)
+            self.in_flight.update((image, layer))  # released by the caller once records reference them
             try:
                 await be.checkpoint_live(rec.id, rec.agent_pid, image, rec.upper, layer)
             except HostError:
+                self._release(image, layer)
                 self.host.delete_image(image)
                 raise
             finally:
                 await self._reattach(live)
             return image, layer, None
-        image = await self._checkpoint(live)
+        image = await self._checkpoint(live)  # held
         layer = self._disk_copy(rec)
+        self.in_flight[layer] += 1  # no await since it was made: nothing could have collected it yet
 
         async def relaunch() -> None:
             try:
@@ -759,8 +783,9 @@ class Manager:
                     be.thaw(rec.id)
                 try:
                     image, layer, relaunch = await self._copy_running(live)
-                    if relaunch is not None:
-                        await relaunch
+                    with self._released(image, layer):
+                        if relaunch is not None:
+                            await relaunch
                 finally:
                     if frozen and rec.id in self.live:
                         be.freeze(rec.id)
@@ -792,7 +817,7 @@ class Manager:
         async with live.lock:
             rec = live.rec
             be = self._be(rec)
-            relaunch = None
+            relaunch, held = None, ()
             frozen = rec.state == "paused" and rec.pause_kind == "freeze"
             if rec.state == "paused" and not frozen:
                 image, layer = rec.image, self._disk_copy(rec)
@@ -801,51 +826,53 @@ class Manager:
                     be.thaw(rec.id)
                 try:
                     image, layer, relaunch = await self._copy_running(live)
+                    held = (image, layer)
                 finally:
                     if frozen and relaunch is None:
                         be.freeze(rec.id)
-            now = time.time()
-            for _ in range(count):
-                cid = new_id("i")
-                child = SandboxRec(
-                    id=cid,
-                    template_id=rec.template_id,
-                    layers=[layer, *rec.layers],
-                    upper=f"{cid}-0",
-                    limits=dict(rec.limits),
-                    envs=dict(rec.envs),
-                    metadata=dict(rec.metadata),
-                    started_at=now,
-                    end_at=now + (timeout if timeout is not None else max(rec.end_at - now, 60)),
-                    on_timeout=rec.on_timeout,
-                    timeout_memory=rec.timeout_memory,
-                    auto_resume=rec.auto_resume,
-                    backend=rec.backend,
-                )
-                children.append(Live(child))
-                self.live[cid] = children[-1]
+            with self._released(*held):  # until the children have restored from them
+                now = time.time()
+                for _ in range(count):
+                    cid = new_id("i")
+                    child = SandboxRec(
+                        id=cid,
+                        template_id=rec.template_id,
+                        layers=[layer, *rec.layers],
+                        upper=f"{cid}-0",
+                        limits=dict(rec.limits),
+                        envs=dict(rec.envs),
+                        metadata=dict(rec.metadata),
+                        started_at=now,
+                        end_at=now + (timeout if timeout is not None else max(rec.end_at - now, 60)),
+                        on_timeout=rec.on_timeout,
+                        timeout_memory=rec.timeout_memory,
+                        auto_resume=rec.auto_resume,
+                        backend=rec.backend,
+                    )
+                    children.append(Live(child))
+                    self.live[cid] = children[-1]
 
-            async def bring_up(c: Live) -> SandboxRec:
-                async with c.lock:
-                    try:
-                        self.host.new_upper(c.rec.upper, Limits(**c.rec.limits))
-                        await self._launch(c, image=image)  # a filesystem-paused source has no image: boot
-                    except BaseException:
-                        await self._destroy(c)
-                        raise
-                    self.registry.save("sandboxes", c.rec.id, c.rec)
-                    return c.rec
+                async def bring_up(c: Live) -> SandboxRec:
+                    async with c.lock:
+                        try:
+                            self.host.new_upper(c.rec.upper, Limits(**c.rec.limits))
+                            await self._launch(c, image=image)  # a filesystem-paused source has no image: boot
+                        except BaseException:
+                            await self._destroy(c)
+                            raise
+                        self.registry.save("sandboxes", c.rec.id, c.rec)
+                        return c.rec
 
-            jobs = [bring_up(c) for c in children]
-            if relaunch is not None:  # the source comes back while its children start
-                jobs.append(relaunch)
-            results = await asyncio.gather(*jobs, return_exceptions=True)
-            if relaunch is not None:
-                if isinstance(results[-1], BaseException):
-                    raise results[-1]
-                if frozen:
-                    be.freeze(rec.id)
-                results = results[:-1]
+                jobs = [bring_up(c) for c in children]
+                if relaunch is not None:  # the source comes back while its children start
+                    jobs.append(relaunch)
+                results = await asyncio.gather(*jobs, return_exceptions=True)
+                if relaunch is not None:
+                    if isinstance(results[-1], BaseException):
+                        raise results[-1]
+                    if frozen:
+                        be.freeze(rec.id)
+                    results = results[:-1]
             self.registry.save("sandboxes", sid, rec)
         await self._gc()
         return [r if isinstance(r, SandboxRec) else Exception(str(r)) for r in results]
@@ -899,6 +926,8 @@ class Manager:
                 layers.update(s.layers)
                 if s.image:
                     images.add(s.image)
+            layers.update(self.in_flight)
+            images.update(self.in_flight)
             for layer in self.host.layers_on_disk() - layers:
                 self.host.delete_layer(layer)
             for image in self.host.images_on_disk() - images:

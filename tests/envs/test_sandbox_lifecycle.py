@@ -283,6 +283,41 @@ async def _iter(paginator):
             yield item
 
 
+def test_concurrent_forks_of_many_sandboxes_survive_each_others_cleanup(server, backend):
+    """Graders fork every episode's sandbox at once while finished ones are killed. A kill collects the images and
+    layers no record references, which once included a fork's checkpoint while its child was still restoring
+    from it (CRIU then failed with 'no log' or 'No IDS for root task': half the forks at 4 in flight)."""
+
+    async def one(i: int) -> str:
+        parent = await AsyncSandbox.create(metadata=on(backend))
+        try:
+            await parent.files.write("/home/user/solution.py", f"ANSWER = {i}\n")
+            await parent.commands.run("python3 -c 'print(1)'")
+            (child,) = await parent.fork(count=1)
+            if isinstance(child, Exception):
+                return f"fork {i}: {child}"
+            try:
+                got = await child.commands.run("python3 -c 'import solution; print(solution.ANSWER)'",
+                                               cwd="/home/user")
+                return "ok" if got.stdout.strip() == str(i) else f"fork {i} read {got.stdout!r}"
+            finally:
+                await child.kill()
+        finally:
+            await parent.kill()
+
+    async def go():
+        sem = asyncio.Semaphore(6)
+
+        async def bounded(i):
+            async with sem:
+                return await one(i)
+
+        return await asyncio.gather(*(bounded(i) for i in range(18)))
+
+    results = run(go())
+    assert results == ["ok"] * 18, [r for r in results if r != "ok"]
+
+
 def test_fork_eight_children_diverge_and_parent_unchanged(server, backend):
     async def go():
         parent = await AsyncSandbox.create(metadata=on(backend))
