@@ -40,6 +40,7 @@ class TasksConfig:
     weights: list[float] = field(default_factory=list)  # sampling weight per domain (empty: equal)
     train_size: int = 4096  # distinct training tasks per domain (synthetic suites are unbounded)
     heldout_size: int = 64  # held-out tasks per domain for evaluation
+    heldout_sizes: dict[str, int] = field(default_factory=dict)  # per-domain exceptions, e.g. {general: 400}
     files: dict[str, str] = field(default_factory=dict)  # domain -> local JSONL/parquet (public formats)
     file_format: str = "gsm8k"
 
@@ -138,6 +139,14 @@ class MOPDConfig:
     max_resident: int = 9  # teachers kept loaded at once (fewer: loaded and offloaded on demand)
 
 
+@dataclass
+class TeachersConfig:
+    # per-teacher changes on top of the stage's config (the teachers and demo stages): under a domain ("general")
+    # for its three teachers, or under "domain/effort" for one (applied after its domain's), as nested keys of
+    # this schema, e.g. {"general": {"rollout": {"temperature": 0.6}}, "agentic/low": {"run": {"iterations": 10}}}
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
 TOP_UP_MODES = ("groups", "trajectories")  # rlk3/rollout/partial.py
 WEIGHT_SYNC_MODES = ("object_store", "broadcast", "cuda_ipc")  # rlk3/cluster/weight_sync.py
 
@@ -182,6 +191,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     mopd: MOPDConfig = field(default_factory=MOPDConfig)
+    teachers: TeachersConfig = field(default_factory=TeachersConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 
@@ -189,8 +199,8 @@ class Config:
 
 
 FREE_FORM = (
-    "model.overrides", "tasks.files", "harness.presets", "mopd.teachers", "sft.domain_demos", "sft.effort_weights",
-    "sft.habit_stage.effort_weights",
+    "model.overrides", "tasks.files", "tasks.heldout_sizes", "harness.presets", "mopd.teachers", "sft.domain_demos",
+    "sft.effort_weights", "sft.habit_stage.effort_weights", "teachers.overrides",
 )
 
 
@@ -261,6 +271,52 @@ def derive(cfg: Config, changes: dict[str, Any]) -> Config:
     return new  # type: ignore[return-value]
 
 
+def heldout_sizes(cfg: Config) -> dict[str, int]:
+    """Held-out tasks per domain for evaluation: ``tasks.heldout_sizes`` where given, else ``tasks.heldout_size``."""
+    return {d: int(cfg.tasks.heldout_sizes.get(d, cfg.tasks.heldout_size)) for d in DOMAINS}
+
+
+# what the teachers stage itself sets for each teacher (rlk3/pipeline.py): an override may not move these
+TEACHER_FIXED = ("run.stage", "run.name", "run.output_dir", "tasks.domains", "model.init_from", "effort.level")
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        out |= _flat(v, f"{prefix}.{k}" if prefix else str(k))
+    return out
+
+
+def teacher_changes(cfg: Config, domain: str, effort: str) -> dict[str, Any]:
+    """The dotted-key changes ``teachers.overrides`` makes for the (domain, effort) teacher: its domain's entry,
+    then its own. Refuses unknown keys, keys the stage sets itself and values the schema rejects, naming the
+    entry, before any teacher runs."""
+    overrides = OmegaConf.to_container(cfg.teachers.overrides) if isinstance(cfg.teachers.overrides, DictConfig) \
+        else dict(cfg.teachers.overrides)
+    for key, tree in overrides.items():
+        d, _, e = key.partition("/")
+        if d not in DOMAINS or (e and e not in EFFORTS):
+            raise ConfigError(f"teachers.overrides key {key!r} must be a domain {list(DOMAINS)} or 'domain/effort' "
+                              f"with effort in {list(EFFORTS)}")
+        if not isinstance(tree, dict):
+            raise ConfigError(f"teachers.overrides.{key} must be a mapping of config keys (e.g. "
+                              f"{{rollout: {{temperature: 0.6}}}}), got {tree!r}")
+        for k in _flat(tree):
+            if k in TEACHER_FIXED or k.startswith("teachers."):
+                raise ConfigError(f"teachers.overrides.{key}: {k} is set by the teachers stage itself; "
+                                  f"an override may change anything but {list(TEACHER_FIXED)}")
+    changes = _flat(overrides.get(domain, {})) | _flat(overrides.get(f"{domain}/{effort}", {}))
+    for key in (domain, f"{domain}/{effort}"):
+        if key in overrides:
+            try:  # the schema's own check of every key and value, on a throwaway copy
+                derive(cfg, {"run.stage": "rl", **_flat(overrides[key])})
+            except ConfigError as e:
+                raise ConfigError(f"teachers.overrides.{key}: {e}") from None
+    return changes
+
+
 def _nest(key: str, value: Any) -> dict:
     out: Any = value
     for part in reversed(key.split(".")):
@@ -315,6 +371,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"tasks.weights must be >= 0 with a positive sum, got {list(cfg.tasks.weights)}")
     _range("tasks.train_size", cfg.tasks.train_size, 1)
     _range("tasks.heldout_size", cfg.tasks.heldout_size, 0)
+    for d, n in cfg.tasks.heldout_sizes.items():
+        _in("tasks.heldout_sizes key", d, DOMAINS)
+        _range(f"tasks.heldout_sizes.{d}", n, 0)
     _in("effort.level", cfg.effort.level, EFFORTS)
     _range("effort.budget", cfg.effort.budget, 1)
     if cfg.effort.budget_start and cfg.effort.budget_start < cfg.effort.budget:
@@ -416,3 +475,6 @@ def validate(cfg: Config) -> None:
                 raise ConfigError(f"mopd.teachers key {key!r} must be 'domain/effort' with domain in {list(DOMAINS)} "
                                   f"and effort in {list(EFFORTS)}")
         _range("mopd.clip", cfg.mopd.clip, 0, lo_open=True)
+    if cfg.run.stage in ("teachers", "demo"):
+        for key in cfg.teachers.overrides:
+            teacher_changes(cfg, key.partition("/")[0], key.partition("/")[2] or "high")  # each is checked there

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from rlk3.config import CONFIG_DIR, DOMAINS, EFFORTS, derive, load_config
+from rlk3.config import CONFIG_DIR, DOMAINS, EFFORTS, derive, heldout_sizes, load_config, teacher_changes
 from rlk3.rollout.demos import DEFAULT_BUDGETS
 
 # the effort levels' budgets (configs/effort/*.yaml): high trains at the maximum; medium and low anneal down from it
@@ -69,7 +69,8 @@ def run_teachers(cfg, sft: str | None = None, log=print) -> dict[str, str]:
             name = f"teacher-{domain}-{effort}"
             sub = derive(cfg, {"run.stage": "rl", "run.name": name, "run.output_dir": str(root / name),
                                "tasks.domains": [domain], "model.init_from": start,
-                               "effort.anneal_steps": cfg.effort.anneal_steps, **EFFORT_SETTINGS[effort]})
+                               "effort.anneal_steps": cfg.effort.anneal_steps, **EFFORT_SETTINGS[effort],
+                               **teacher_changes(cfg, domain, effort)})
             t0 = time.time()
             log(f"teachers: {name} from {start}")
             final = run_rl(sub, log=log)
@@ -106,21 +107,32 @@ def run_demo(cfg, log=print) -> Path:
     manifest = root / "manifest.json"
     manifest.write_text(json.dumps({"sft": str(sft), "teachers": teachers, "student": str(student),
                                     "runs": [str(Path(p).parent) for p in teachers.values()]
-                                    + [str(Path(student).parent)], "heldout": cfg.tasks.heldout_size}, indent=2))
+                                    + [str(Path(student).parent)], "heldout": heldout_sizes(cfg),
+                                    "loop": eval_loop(cfg)}, indent=2))
     report = run_eval(manifest, log=log)
     log(f"demo: done in {time.time() - t0:.0f}s; report: {report}")
     return report
 
 
+def eval_loop(cfg) -> dict:
+    """The agent loop's limits the runs trained under, which the evaluation keeps (greedy): a model evaluated with
+    more turns than it was trained with retries past its budget where training would have stopped it."""
+    return {"max_turns": cfg.harness.max_turns, "max_turn_tokens": cfg.rollout.max_new_tokens,
+            "max_context_tokens": cfg.rollout.max_total_tokens}
+
+
 def run_eval(manifest_path: str | Path, n: int | None = None, log=print) -> Path:
     """Evaluate the SFT base, every teacher and the student on every (domain, effort) slice of the held-out split;
-    write eval.json and the report (report.md + plots) beside the manifest."""
-    from rlk3.report import slice_table, write_report
+    write eval.json and the report (report.md + plots) beside the manifest; print the slice and acceptance tables.
+    ``n`` (tasks per slice) overrides the manifest's per-domain counts."""
+    from rlk3.report import acceptance_summary, slice_table, write_report
+    from rlk3.rollout.agent_loop import LoopConfig
     from rlk3.rollout.evaluate import evaluate_policy, load_policy
 
     manifest_path = Path(manifest_path)
     m = json.loads(manifest_path.read_text())
-    n = n or int(m.get("heldout", 40))
+    held = m.get("heldout", 40)  # older manifests: one count for every domain
+    n = {d: n or (int(held[d]) if isinstance(held, dict) else int(held)) for d in DOMAINS}
     slices = [(d, e, DEFAULT_BUDGETS[e]) for d in DOMAINS for e in EFFORTS]
     models = [("sft", "sft", None, None, m["sft"])]
     for key, path in sorted(m.get("teachers", {}).items()):
@@ -134,13 +146,20 @@ def run_eval(manifest_path: str | Path, n: int | None = None, log=print) -> Path
         policy, tok = load_policy(path)
         # a teacher is evaluated on its own domain (all efforts: the ordering of tokens by effort is read there)
         mine = [s for s in slices if d is None or s[0] == d]
-        res, _ = evaluate_policy(policy, tok, mine, n)
+        loop = LoopConfig(temperature=0.0, **m["loop"]) if m.get("loop") else None  # older manifests: the defaults
+        res, _ = evaluate_policy(policy, tok, mine, n, loop_config=loop)
         entry = {"name": name, "kind": kind, "slices": [r.to_dict() for r in res]}
         if d is not None:
             entry |= {"domain": d, "effort": e}
         out["models"].append(entry)
-        log(f"eval: {name} on {len(mine)} slices x {n} in {time.time() - t0:.0f}s")
+        if bad := sum(r.grader_errors for r in res):
+            log(f"eval: WARNING {name}: {bad} episodes' graders raised (scored as fails; the grader or its "
+                "sandboxes are broken, so these pass rates understate the model)")
+        log(f"eval: {name} on {len(mine)} slices x {sorted({n[s[0]] for s in mine})} tasks in {time.time() - t0:.0f}s")
     eval_path = manifest_path.parent / "eval.json"
     eval_path.write_text(json.dumps(out, indent=2))
     log(slice_table(out))
-    return write_report(eval_path, [Path(r) for r in m.get("runs", [])], manifest_path.parent / "report")
+    runs = [Path(r) for r in m.get("runs", [])]
+    report = write_report(eval_path, runs, manifest_path.parent / "report")
+    log(acceptance_summary(eval_path, runs))
+    return report

@@ -337,6 +337,94 @@ def samples_used(runs: Sequence[Run]) -> list[str]:
     return out
 
 
+# ---------------------------------------------------------------------------------------------- acceptance
+
+
+@dataclass(frozen=True)
+class Check:
+    """One of issue 8's acceptance criteria, read off eval.json and the runs' metrics. ``met`` is None where the
+    inputs do not cover it (a model or slice not evaluated, no samples logged)."""
+
+    criterion: str
+    subject: str
+    value: str
+    met: bool | None
+
+
+def _mean_pass(m: ModelResult | None, keys) -> tuple[float, int] | None:
+    got = [m.slices[k] for k in keys if m is not None and k in m.slices]
+    if not got or len(got) != len(keys) or not sum(s.n for s in got):
+        return None
+    n = sum(s.n for s in got)
+    return sum(s.pass_rate * s.n for s in got) / n, n
+
+
+def acceptance(ev: EvalResult, runs: Sequence[Run] = (), *, within: float = 0.05, low_vs_high: float = 0.5,
+               max_over_budget: float = 0.10, max_samples: float = 1 / 3) -> list[Check]:
+    """Issue 8's criteria 1-3 as checks: (1) each teacher's pass rate over its own domain's slices (those the SFT
+    base was evaluated on too) above the base's on the same tasks — with the difference in standard errors, since
+    a small slice's pass rate is a draw; (2) per domain, the teachers' mean tokens on their own slices ordered
+    low < medium < high with low <= ``low_vs_high`` x high, and each teacher's over-budget rate at most
+    ``max_over_budget``; (3) the student within ``within`` of each slice's teacher (below it by no more), on at
+    most ``max_samples`` of the samples the teachers used together."""
+    sft = ev.one("sft")
+    out: list[Check] = []
+    for t in sorted((m for m in ev.models if m.kind == "teacher"), key=lambda m: (_rank(m.domain), _rank(m.effort))):
+        keys = [k for k in t.slices if k[0] == t.domain and sft is not None and k in sft.slices]
+        a, b = _mean_pass(t, keys), _mean_pass(sft, keys)
+        if a is None or b is None:
+            out.append(Check("teacher beats SFT on its domain", t.name, "not evaluated on the same slices", None))
+            continue
+        se = math.sqrt(a[0] * (1 - a[0]) / a[1] + b[0] * (1 - b[0]) / b[1]) or float("nan")
+        out.append(Check("teacher beats SFT on its domain", t.name,
+                         f"{a[0]:.3f} vs {b[0]:.3f} ({a[0] - b[0]:+.3f}, {(a[0] - b[0]) / se:+.1f} SE; "
+                         f"{len(keys)} slices, {a[1]} tasks)", a[0] > b[0]))
+    for d in _order(m.domain for m in ev.models if m.kind == "teacher"):
+        own = {e: t.slices.get((d, e)) if (t := ev.teacher(d, e)) else None for e in EFFORTS}
+        if any(v is None for v in own.values()):
+            out.append(Check("tokens low < medium < high, low <= 0.5 x high", d, "not every effort's teacher "
+                             "evaluated on its own slice", None))
+        else:
+            lo, mid, hi = (own[e].mean_tokens for e in EFFORTS)
+            ratio = lo / hi if hi else float("inf")
+            out.append(Check(f"tokens low < medium < high, low <= {low_vs_high:g} x high", d,
+                             f"{lo:.1f} / {mid:.1f} / {hi:.1f} (low/high {ratio:.2f})",
+                             lo < mid < hi and ratio <= low_vs_high))
+        for e, sl in own.items():
+            if sl is not None:
+                out.append(Check(f"over-budget rate <= {max_over_budget:.0%}", f"teacher-{d}-{e}",
+                                 f"{sl.over_budget_rate:.3f}", sl.over_budget_rate <= max_over_budget))
+    for r in slice_rows(ev):
+        if r.teacher is not None:
+            d = r.delta
+            out.append(Check(f"student within {within * 100:g} points of its teacher", f"{r.domain}/{r.effort}",
+                             "not evaluated" if d is None else f"{d * 100:+.1f} points", None if d is None
+                             else d >= -within - 1e-9))
+    teachers = [r.last("samples") for r in runs if r.stage == "rl"]
+    students = [r for r in runs if r.stage == "mopd"]
+    for s in students:
+        total, mine = sum(v or 0 for v in teachers), s.last("samples")
+        ok = None if not total or mine is None or None in teachers else mine / total <= max_samples
+        out.append(Check(f"student samples <= {max_samples:.2f} of all teachers'", s.name,
+                         f"{mine or 0:,.0f} / {total:,.0f}" + (f" = {mine / total:.2f}" if total and mine else ""), ok))
+    return out
+
+
+def acceptance_summary(eval_path, run_dirs: Sequence) -> str:
+    """The acceptance table for an eval.json and the training runs' directories (what the demo prints last)."""
+    return acceptance_table(acceptance(load_eval(eval_path), _runs(run_dirs)))
+
+
+def acceptance_table(checks: Sequence[Check]) -> str:
+    mark = {True: "met", False: "MISSED", None: "n/a"}
+    width = max((len(c.criterion) for c in checks), default=9)
+    lines = [f"{'criterion':<{width}}  {'subject':<22}  {'':<6}  value"]
+    lines += [f"{c.criterion:<{width}}  {c.subject:<22}  {mark[c.met]:<6}  {c.value}" for c in checks]
+    met = sum(c.met is True for c in checks)
+    lines.append(f"{met} of {len(checks)} checks met, {sum(c.met is False for c in checks)} missed")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------- plots
 
 
@@ -440,6 +528,11 @@ def write_report(eval_path, run_dirs: Sequence, out_dir) -> Path:
         *[f"- {line}" for line in samples_used(runs)], "",
         "The MOPD economics: trajectories the student trained on over the sum of those the teachers trained on "
         "(each run's last logged `samples`).", "",
+        "## Acceptance", "",
+        "Issue 8's criteria read off this evaluation and the runs' metrics (rlk3/report.py, `acceptance`). A "
+        "teacher's domain pass rate pools its domain's slices; SE is the standard error of the difference, so a "
+        "gap under ~2 SE is within the draw of the held-out tasks.", "",
+        "```text", acceptance_table(acceptance(ev, runs)), "```", "",
         "## Training runs", "",
     ]
     if runs:

@@ -20,6 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlk3.cluster.checkpoint import Checkpoints, MetricsLog
 from rlk3.cluster.workers import RolloutWorker, TrainWorker, budget_fn
+from rlk3.config import heldout_sizes
 from rlk3.rollout.trajectory import Trajectory
 
 
@@ -83,6 +84,7 @@ def summarize(trajs: list[Trajectory], stats: dict, train: dict, it: int, budget
         "over_budget_rate": sum(bool(t.metrics.get("over_budget")) for t in trajs) / n,
         "trained": len(trajs),
         "failed": sum(t.status == "failed" for t in trajs),
+        "grader_errors": sum(bool(t.metrics.get("grader_error")) for t in trajs),
         "staleness/max": max((t.policy_versions[-1] - min(t.policy_versions) for t in trajs if t.policy_versions),
                              default=0),
         **{f"rollout/{k}": v for k, v in stats.items() if isinstance(v, int | float)},
@@ -97,7 +99,9 @@ def one_line(r: dict) -> str:
             f"tokens {r['tokens/mean']:.0f} over {r['over_budget_rate']:.2f} budget {r['budget']} | "
             f"trained {r['trained']} paused {r.get('rollout/paused', 0)} stale {r['staleness/max']} | "
             f"rollout {r['time/rollout_s']:.1f}s train {r['time/train_s']:.1f}s sync {r['time/sync_s']:.2f}s"
-            + (f" | {ev}" if ev else ""))
+            + (f" | {ev}" if ev else "")
+            + (f" | GRADER ERRORS {r['grader_errors']} (scored 0; see metrics['grade_reasons'])"
+               if r.get("grader_errors") else ""))
 
 
 class Cluster:
@@ -259,7 +263,7 @@ class Cluster:
             slices = [(d, e, DEFAULT_BUDGETS[e]) for d in cfg.tasks.domains for e in cfg.rollout.efforts]
         else:
             slices = [(d, cfg.effort.level, budget) for d in cfg.tasks.domains]
-        res = ray.get(self.worker.evaluate.remote(slices, cfg.tasks.heldout_size))
+        res = ray.get(self.worker.evaluate.remote(slices, heldout_sizes(cfg)))
         out = {}
         for r in res:
             for k in ("pass_rate", "mean_tokens", "over_budget_rate"):

@@ -127,14 +127,15 @@ class RolloutWorker:
     def load_state(self, s: dict) -> None:
         self.partial.load_state(s)
 
-    def evaluate(self, slices: list[tuple[str, str, int | None]], n: int) -> list[dict]:
+    def evaluate(self, slices: list[tuple[str, str, int | None]], n: int | dict[str, int]) -> list[dict]:
         from rlk3.rollout.agent_loop import AgentLoop, LoopConfig
         from rlk3.rollout.evaluate import evaluate_slices
 
         greedy = AgentLoop(self.loop.front, self.loop.harnesses, sandboxes=self.loop.sandboxes,
                            grading=self.loop.grading,
                            config=LoopConfig(temperature=0.0, max_turn_tokens=self.cfg.rollout.max_new_tokens,
-                                             max_context_tokens=self.cfg.rollout.max_total_tokens))
+                                             max_context_tokens=self.cfg.rollout.max_total_tokens,
+                                             max_turns=self.cfg.harness.max_turns))  # the rollouts' own limits
         res, _ = self.aio.run_until_complete(evaluate_slices(greedy, slices, n))
         return [r.to_dict() for r in res]
 

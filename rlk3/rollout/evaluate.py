@@ -8,6 +8,7 @@ as in RL (an over-budget episode stops and does not pass).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 from envs.tasks import get_tasks
@@ -25,6 +26,7 @@ class SliceResult:
     over_budget_rate: float
     reward_mean: float
     failed: int  # environment failures (never counted as passes)
+    grader_errors: int = 0  # episodes whose grader raised (scored as fails; a non-zero count is a broken setup)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -41,22 +43,25 @@ def summarize(domain: str, effort: str, trajs: list[Trajectory]) -> SliceResult:
         over_budget_rate=sum(bool(t.metrics.get("over_budget")) for t in trajs) / max(n, 1),
         reward_mean=sum(t.reward or 0.0 for t in trajs) / max(n, 1),
         failed=sum(t.status == Status.FAILED for t in trajs),
+        grader_errors=sum(bool(t.metrics.get("grader_error")) for t in trajs),
     )
 
 
 async def evaluate_slices(
     loop: AgentLoop,
     slices: list[tuple[str, str, int | None]],
-    n: int,
+    n: int | Mapping[str, int],
     *,
     split: str = "heldout",
     concurrency: int = 64,
     progress=None,
 ) -> tuple[list[SliceResult], list[Trajectory]]:
-    """``slices``: (domain, effort, budget). ``n`` tasks per slice. Returns the per-slice summary and every
-    trajectory (for inspection: ``metrics['grade_reasons']`` says why each one failed)."""
+    """``slices``: (domain, effort, budget). ``n`` tasks per slice, or per domain ({"general": 400, ...}).
+    Returns the per-slice summary and every trajectory (for inspection: ``metrics['grade_reasons']`` says why each
+    one failed)."""
     sem = asyncio.Semaphore(concurrency)
-    tasks = {d: get_tasks(d, split, n) for d in {s[0] for s in slices}}
+    counts = {d: n[d] if isinstance(n, Mapping) else n for d in {s[0] for s in slices}}
+    tasks = {d: get_tasks(d, split, k) for d, k in counts.items()}
 
     async def one(task, effort, budget):
         async with sem:
@@ -76,10 +81,10 @@ async def evaluate_slices(
 
 
 def format_slices(results: list[SliceResult]) -> str:
-    lines = [f"{'domain':<9} {'effort':<7} {'n':>4} {'pass':>6} {'tokens':>7} {'over':>6}"]
+    lines = [f"{'domain':<9} {'effort':<7} {'n':>4} {'pass':>6} {'tokens':>7} {'over':>6} {'grader errors':>13}"]
     for r in results:
         lines.append(f"{r.domain:<9} {r.effort:<7} {r.n:>4} {r.pass_rate:>6.1%} {r.mean_tokens:>7.1f} "
-                     f"{r.over_budget_rate:>6.1%}")
+                     f"{r.over_budget_rate:>6.1%} {r.grader_errors:>13}")
     return "\n".join(lines)
 
 
@@ -96,7 +101,7 @@ def evaluate_policy(
     model,
     tokenizer,
     slices: list[tuple[str, str, int | None]],
-    n: int,
+    n: int | Mapping[str, int],
     *,
     engine_config=None,
     loop_config=None,

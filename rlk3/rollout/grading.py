@@ -99,6 +99,7 @@ class Grading:
                 raise
             except Exception as e:  # a grader bug must not take the iteration down; it is recorded and scored 0
                 outcome = Grade.fail(f"grader_error: {type(e).__name__}: {str(e)[:500]}")
+                traj.metrics["grader_error"] = True  # counted apart: a broken grader must not pass for a weak policy
         grade = compose(outcome, self.effort.grade(None, v), self.mode)
         traj.reward = float(grade.score)
         traj.metrics["passed"] = bool(outcome.passed)

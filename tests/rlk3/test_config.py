@@ -53,6 +53,17 @@ def test_composes_defaults_file_and_overrides(tmp_path):
         ("defaults: [stage/rl]\n", ["train.minibatches=64"], r"train.minibatches=64 is more than the 32 samples"),
         ("defaults: [stage/rl]\n", ["train.adam_beta2=1.0"], r"train.adam_beta2 must be in \(0, 1\), got 1.0"),
         ("defaults: [stage/rl]\n", ["train.warmup_steps=-1"], r"train.warmup_steps must be in \[0, inf\], got -1"),
+        ("defaults: [stage/teachers]\n", ["teachers.overrides.general.rollout.temprature=0.6"],
+         r"teachers.overrides.general: .*unknown key 'rollout.temprature'; valid keys here: .*'temperature'"),
+        ("defaults: [stage/teachers]\n", ["teachers.overrides.agentic/low.train.lr=-1"],
+         r"teachers.overrides.agentic/low: train.lr must be in \(0, inf\], got -1"),
+        ("defaults: [stage/demo]\n", ["teachers.overrides.math.train.lr=1"],
+         r"teachers.overrides key 'math' must be a domain \['general', 'agentic', 'coding'\] or 'domain/effort'"),
+        ("defaults: [stage/demo]\n", ["teachers.overrides.general/max.train.lr=1"], r"key 'general/max' must be"),
+        ("defaults: [stage/teachers]\n", ["teachers.overrides.coding.tasks.domains=[general]"],
+         r"teachers.overrides.coding: tasks.domains is set by the teachers stage itself"),
+        ("defaults: [stage/teachers]\n", ["teachers.overrides.coding=3"],
+         r"teachers.overrides.coding must be a mapping of config keys"),
     ],
 )
 def test_bad_configs_name_the_key_and_valid_values(tmp_path, text, overrides, match):
@@ -65,3 +76,15 @@ def test_every_fragment_loads(tmp_path):
                  "effort/low", "effort/medium", "effort/high", "stage/sft", "stage/rl", "stage/eval"):
         cfg = load_config(write(tmp_path, f"defaults: [base, stage/rl, {frag}]\n"))
         assert cfg.run.stage in ("sft", "rl", "eval")
+
+
+def test_teacher_overrides_apply_domain_then_teacher(tmp_path):
+    from rlk3.config import teacher_changes
+
+    cfg = load_config(write(tmp_path, "defaults: [base, stage/teachers]\nteachers:\n  overrides:\n"
+                                      "    general: {rollout: {temperature: 0.6, group_size: 8}}\n"
+                                      "    general/low: {rollout: {temperature: 0.9}, run: {iterations: 3}}\n"))
+    assert teacher_changes(cfg, "general", "high") == {"rollout.temperature": 0.6, "rollout.group_size": 8}
+    assert teacher_changes(cfg, "general", "low") == {"rollout.temperature": 0.9, "rollout.group_size": 8,
+                                                      "run.iterations": 3}
+    assert teacher_changes(cfg, "coding", "low") == {}

@@ -29,7 +29,11 @@ def test_demo_pipeline_at_toy_scale(general_policy, tmp_path):
         f"run.output_dir={tmp_path / 'demo'}", f"model.init_from={base}", "run.iterations=1", "run.checkpoint_every=1",
         "effort.anneal_steps=1", "rollout.groups_per_iteration=2", "rollout.group_size=2", "rollout.max_new_tokens=48",
         "rollout.max_total_tokens=768", "harness.max_turns=2", "mopd.iterations=1", "tasks.heldout_size=2",
-        "cluster.cpu_threads=1"])
+        "tasks.heldout_sizes.general=3", "cluster.cpu_threads=1",
+        # configs/demo.yaml's general teachers at toy scale too; general/low's own entry is applied over them
+        "teachers.overrides.general.rollout.groups_per_iteration=2", "teachers.overrides.general.rollout.group_size=2",
+        "teachers.overrides.general.rollout.max_new_tokens=48", "teachers.overrides.general.run.iterations=1",
+        "teachers.overrides.general/high.run.iterations=1", "teachers.overrides.general/low.run.iterations=2"])
     lines = []
     try:
         report = run_demo(cfg, log=lines.append)
@@ -44,6 +48,8 @@ def test_demo_pipeline_at_toy_scale(general_policy, tmp_path):
         assert man["domains"] == [key.split("/")[0]] and man["effort"] == key.split("/")[1]
         assert man["budget"] == DEFAULT_BUDGETS[man["effort"]]  # each teacher ends at its effort's budget
     assert any("teacher-general-medium from" in x and "teacher-general-high" in x for x in lines)
+    iterations = {k: len((Path(p).parent / "metrics.jsonl").read_text().splitlines()) for k, p in teachers.items()}
+    assert iterations == {k: 2 if k == "general/low" else 1 for k in teachers}  # teachers.overrides applied
     ev = json.loads((root / "eval.json").read_text())
     names = [m["name"] for m in ev["models"]]
     assert names[0] == "sft" and names[-1] == "student" and len(names) == 11
@@ -53,3 +59,7 @@ def test_demo_pipeline_at_toy_scale(general_policy, tmp_path):
     assert report.name == "report.md" and report.exists()
     assert len(list(report.parent.glob("*.png"))) >= 3
     assert any("general" in x and "low" in x for x in lines)  # the slice table was printed
+    assert "checks met" in lines[-2] and "teacher beats SFT on its domain" in lines[-2]  # then the acceptance table
+    man = json.loads((root / "manifest.json").read_text())
+    assert man["heldout"] == {"general": 3, "agentic": 2, "coding": 2} and man["loop"]["max_turns"] == 2
+    assert [s["n"] for s in ev["models"][0]["slices"]] == [3, 3, 3, 2, 2, 2, 2, 2, 2]

@@ -198,3 +198,62 @@ def test_cli(tmp_path, capsys):
     assert err.count("warning: ") == 9 and "teacher-coding-high/metrics.jsonl:21: skipped, not valid JSON" in err
     assert main([str(tmp_path / "missing.json"), "--out", str(tmp_path / "x")]) == 2
     assert "report error:" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_acceptance_reads_each_criterion_off_the_inputs(tmp_path):
+    """Issue 8's criteria: a teacher beats the base pooled over its own domain's slices; per domain the teachers'
+    tokens are ordered with low <= 0.5 x high; over-budget rates <= 10%; the student is at most 5 points below each
+    slice's teacher; the samples ratio <= 1/3. Each check here is built to land on a known side."""
+    from rlk3.report import _runs, acceptance, acceptance_table, load_eval
+
+    def model(name, kind, d, e, slices):
+        return {"name": name, "kind": kind, "domain": d, "effort": e, "slices": slices}
+
+    sft = [sl("general", e, p, 10.0, 0.0, n=100) for e, p in (("low", 0.2), ("medium", 0.3), ("high", 0.4))]
+    sft += [sl("agentic", e, 0.5, 90.0, 0.2, n=100) for e in EFFORTS]
+    own = {  # teacher -> (pass on its domain's three slices, tokens on its own slice, over-budget on its own)
+        ("general", "high"): ((0.2, 0.35, 0.5), 40.0, 0.0),  # pooled 0.35 > 0.30: beats
+        ("general", "medium"): ((0.2, 0.3, 0.4), 30.0, 0.0),  # pooled 0.30 = 0.30: does not beat
+        ("general", "low"): ((0.25, 0.3, 0.4), 6.0, 0.0),  # tokens 6 / 30 / 40: ordered, 0.15 x high
+        ("agentic", "high"): ((0.6, 0.6, 0.6), 130.0, 0.0),
+        ("agentic", "medium"): ((0.6, 0.6, 0.6), 110.0, 0.0),
+        ("agentic", "low"): ((0.6, 0.6, 0.6), 95.0, 0.2),  # 0.73 x high, 20% over budget: both missed
+    }
+    models = [model("sft", "sft", None, None, sft)]
+    for (d, e), (passes, tokens, over) in own.items():
+        slices = [sl(d, ee, p, tokens if ee == e else 1.0, over if ee == e else 0.0, n=100)
+                  for ee, p in zip(EFFORTS, passes)]
+        models.append(model(f"teacher-{d}-{e}", "teacher", d, e, slices))
+    student = [sl("general", e, p, 10.0, 0.0, n=100) for e, p in (("low", 0.2), ("medium", 0.3), ("high", 0.46))]
+    student += [sl("agentic", e, 0.55, 90.0, 0.0, n=100) for e in EFFORTS]  # 5.0 points below: within
+    models.append(model("student", "student", "mixed", "mixed", student))
+    (tmp_path / "eval.json").write_text(json.dumps({"models": models}))
+    runs = []
+    for name, stage, samples in [("teacher-general-high", "rl", 300), ("teacher-agentic-low", "rl", 300),
+                                 ("student", "mopd", 201)]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text(json.dumps(
+            {"iteration": 0, "stage": stage, "run": name, "samples": samples}) + "\n")
+        runs.append(tmp_path / name)
+
+    checks = {(c.criterion.split(" ")[0] + ":" + c.subject): c for c in acceptance(load_eval(tmp_path / "eval.json"),
+                                                                                 _runs(runs))}
+    beats = {k.split(":")[1]: c.met for k, c in checks.items() if k.startswith("teacher:")}
+    assert beats == {"teacher-general-low": True, "teacher-general-medium": False, "teacher-general-high": True,
+                     "teacher-agentic-low": True, "teacher-agentic-medium": True, "teacher-agentic-high": True}
+    assert checks["teacher:teacher-general-high"].value == "0.350 vs 0.300 (+0.050, +1.3 SE; 3 slices, 300 tasks)"
+    assert checks["tokens:general"].met is True
+    assert checks["tokens:general"].value == "6.0 / 30.0 / 40.0 (low/high 0.15)"
+    assert checks["tokens:agentic"].met is False and "(low/high 0.73)" in checks["tokens:agentic"].value
+    assert checks["over-budget:teacher-agentic-low"].met is False
+    assert checks["over-budget:teacher-agentic-high"].met is True
+    # student vs the slice's own teacher: general/high 0.46 vs 0.5 (-4 points), general/low 0.2 vs 0.25 (-5)
+    assert checks["student:general/high"].met is True and checks["student:general/high"].value == "-4.0 points"
+    assert checks["student:general/low"].met is True and checks["student:general/low"].value == "-5.0 points"
+    assert checks["student:agentic/low"].met is True
+    assert checks["student:student"].met is False and checks["student:student"].value == "201 / 600 = 0.34"
+    table = acceptance_table(list(checks.values()))
+    met = sum(c.met is True for c in checks.values())
+    assert table.splitlines()[-1] == f"{met} of {len(checks)} checks met, 4 missed"
+    md = write_report(tmp_path / "eval.json", runs, tmp_path / "report").read_text()
+    assert "## Acceptance" in md and "MISSED" in md and "teacher-general-medium" in md

@@ -150,3 +150,31 @@ def test_a_tool_preset_without_sandboxes_is_refused(model, tok):
     task = get_tasks("coding", "heldout", 1)[0]
     with pytest.raises(LoopError, match="has tools: pass sandboxes="):
         run(loop.run(task, loop.new_trajectory(task, effort="low", budget=None)))
+
+
+def test_a_grader_that_raises_scores_a_fail_and_is_counted_apart():
+    """A grader's exception scores the episode 0 (the iteration goes on) and is flagged, so the RL line, the metrics
+    and the evaluation count it instead of passing it off as a weak policy (a sandbox race once failed most coding
+    episodes that way)."""
+    from rlk3.cluster.driver import summarize as iteration_row
+    from rlk3.rollout.evaluate import summarize as slice_result
+    from rlk3.rollout.trajectory import Trajectory
+
+    class Broken:
+        def grade(self, task, view):
+            raise RuntimeError("criu restore failed")
+
+    task = get_tasks("general", "heldout", 1)[0]
+    grading = Grading()
+    grading._graders[task.grader] = Broken()
+    bad = Trajectory(task_id=task.task_id, messages=[{"role": "assistant", "content": "Answer: 3"}],
+                     status=Status.FINISHED)
+    grading.grade(task, bad)
+    assert bad.metrics["grader_error"] is True and bad.metrics["passed"] is False and bad.reward <= 0
+    assert bad.metrics["grade_reasons"][0] == "grader_error: RuntimeError: criu restore failed"
+    good = Trajectory(task_id=task.task_id, messages=[{"role": "assistant", "content": "Answer: 3"}],
+                      status=Status.FINISHED)
+    Grading().grade(task, good)
+    assert "grader_error" not in good.metrics
+    assert iteration_row([bad, good], {}, {}, 0, 128, 2, {})["grader_errors"] == 1
+    assert slice_result("general", "low", [bad, good]).grader_errors == 1

@@ -39,6 +39,8 @@ def test_sft_tiny_reaches_nontrivial_heldout_pass_rates(sft_run):
     (out / "eval.json").write_text(json.dumps([r.to_dict() for r in results], indent=2))
 
     assert all(r.n == N_PER_SLICE for r in results)  # environment failures (r.failed) count as not passed
+    # a grader that raised scores a fail too, which once hid a sandbox race that failed most coding episodes
+    assert sum(r.grader_errors for r in results) == 0, [(r.domain, r.effort, r.grader_errors) for r in results]
     for domain, floor in FLOORS.items():
         assert mean[domain] >= floor, f"{domain}: held-out pass rate {mean[domain]:.1%} < {floor:.0%}"
     assert mean["coding"] > 0, "coding: no held-out task passed"
