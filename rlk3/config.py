@@ -289,13 +289,10 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def teacher_changes(cfg: Config, domain: str, effort: str) -> dict[str, Any]:
-    """The dotted-key changes ``teachers.overrides`` makes for the (domain, effort) teacher: its domain's entry,
-    then its own. Refuses unknown keys, keys the stage sets itself and values the schema rejects, naming the
-    entry, before any teacher runs."""
-    overrides = OmegaConf.to_container(cfg.teachers.overrides) if isinstance(cfg.teachers.overrides, DictConfig) \
-        else dict(cfg.teachers.overrides)
-    for key, tree in overrides.items():
+def _check_teacher_overrides(cfg: Config) -> None:
+    """Each ``teachers.overrides`` entry: a domain or 'domain/effort' key, a mapping of this schema's keys, none of
+    them one the stage sets itself, and values the schema accepts (checked by deriving a throwaway copy)."""
+    for key, tree in _overrides(cfg).items():
         d, _, e = key.partition("/")
         if d not in DOMAINS or (e and e not in EFFORTS):
             raise ConfigError(f"teachers.overrides key {key!r} must be a domain {list(DOMAINS)} or 'domain/effort' "
@@ -307,14 +304,22 @@ def teacher_changes(cfg: Config, domain: str, effort: str) -> dict[str, Any]:
             if k in TEACHER_FIXED or k.startswith("teachers."):
                 raise ConfigError(f"teachers.overrides.{key}: {k} is set by the teachers stage itself; "
                                   f"an override may change anything but {list(TEACHER_FIXED)}")
-    changes = _flat(overrides.get(domain, {})) | _flat(overrides.get(f"{domain}/{effort}", {}))
-    for key in (domain, f"{domain}/{effort}"):
-        if key in overrides:
-            try:  # the schema's own check of every key and value, on a throwaway copy
-                derive(cfg, {"run.stage": "rl", **_flat(overrides[key])})
-            except ConfigError as e:
-                raise ConfigError(f"teachers.overrides.{key}: {e}") from None
-    return changes
+        try:
+            derive(cfg, {"run.stage": "rl", **_flat(tree)})
+        except ConfigError as e:
+            raise ConfigError(f"teachers.overrides.{key}: {e}") from None
+
+
+def _overrides(cfg: Config) -> dict[str, Any]:
+    o = cfg.teachers.overrides
+    return OmegaConf.to_container(o) if isinstance(o, DictConfig) else dict(o)
+
+
+def teacher_changes(cfg: Config, domain: str, effort: str) -> dict[str, Any]:
+    """The dotted-key changes ``teachers.overrides`` makes for the (domain, effort) teacher: its domain's entry,
+    then its own (the entries were checked when the config was validated)."""
+    overrides = _overrides(cfg)
+    return _flat(overrides.get(domain, {})) | _flat(overrides.get(f"{domain}/{effort}", {}))
 
 
 def _nest(key: str, value: Any) -> dict:
@@ -476,5 +481,4 @@ def validate(cfg: Config) -> None:
                                   f"and effort in {list(EFFORTS)}")
         _range("mopd.clip", cfg.mopd.clip, 0, lo_open=True)
     if cfg.run.stage in ("teachers", "demo"):
-        for key in cfg.teachers.overrides:
-            teacher_changes(cfg, key.partition("/")[0], key.partition("/")[2] or "high")  # each is checked there
+        _check_teacher_overrides(cfg)

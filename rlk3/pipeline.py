@@ -133,6 +133,7 @@ def run_eval(manifest_path: str | Path, n: int | None = None, log=print) -> Path
     m = json.loads(manifest_path.read_text())
     held = m.get("heldout", 40)  # older manifests: one count for every domain
     n = {d: n or (int(held[d]) if isinstance(held, dict) else int(held)) for d in DOMAINS}
+    loop = LoopConfig(temperature=0.0, **m["loop"]) if m.get("loop") else None  # older manifests: the defaults
     slices = [(d, e, DEFAULT_BUDGETS[e]) for d in DOMAINS for e in EFFORTS]
     models = [("sft", "sft", None, None, m["sft"])]
     for key, path in sorted(m.get("teachers", {}).items()):
@@ -146,7 +147,6 @@ def run_eval(manifest_path: str | Path, n: int | None = None, log=print) -> Path
         policy, tok = load_policy(path)
         # a teacher is evaluated on its own domain (all efforts: the ordering of tokens by effort is read there)
         mine = [s for s in slices if d is None or s[0] == d]
-        loop = LoopConfig(temperature=0.0, **m["loop"]) if m.get("loop") else None  # older manifests: the defaults
         res, _ = evaluate_policy(policy, tok, mine, n, loop_config=loop)
         entry = {"name": name, "kind": kind, "slices": [r.to_dict() for r in res]}
         if d is not None:

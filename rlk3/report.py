@@ -418,7 +418,7 @@ def acceptance_summary(eval_path, run_dirs: Sequence) -> str:
 def acceptance_table(checks: Sequence[Check]) -> str:
     mark = {True: "met", False: "MISSED", None: "n/a"}
     width = max((len(c.criterion) for c in checks), default=9)
-    lines = [f"{'criterion':<{width}}  {'subject':<22}  {'':<6}  value"]
+    lines = [f"{'criterion':<{width}}  {'subject':<22}  {'status':<6}  value"]
     lines += [f"{c.criterion:<{width}}  {c.subject:<22}  {mark[c.met]:<6}  {c.value}" for c in checks]
     met = sum(c.met is True for c in checks)
     lines.append(f"{met} of {len(checks)} checks met, {sum(c.met is False for c in checks)} missed")
