@@ -14,6 +14,7 @@ compared token by token as a sanity check (greedy, fp32 on CPU).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -158,6 +159,7 @@ def multi_turn(model, device, turns: int, turn_tokens: int, gen_tokens: int, cfg
     vocab = model.config.vocab_size
     out = {}
     for name, enable in (("prefix_cache", True), ("no_cache", False)):
+        gc.collect()  # the previous engine's pool (a reference cycle) before another is allocated
         engine = RolloutEngine(model, EngineConfig(**{**cfg.__dict__, "enable_prefix_cache": enable}))
         conv = []
         g = torch.Generator().manual_seed(3)
@@ -177,6 +179,7 @@ def multi_turn(model, device, turns: int, turn_tokens: int, gen_tokens: int, cfg
                          prefill_seconds=sum(t["prefill_seconds"] for t in per_turn),
                          cpu_seconds=sum(t["turn_cpu_seconds"] for t in per_turn), turns=per_turn)
     # the same conversation as one request continued with extend(): nothing is recomputed
+    gc.collect()
     engine = RolloutEngine(model, cfg)
     g = torch.Generator().manual_seed(3)
     cpu = time.process_time()
@@ -206,6 +209,8 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--turn-tokens", type=int, default=2048)
     ap.add_argument("--skip", choices=["decode", "multi-turn"], action="append", default=[])
+    ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                    help="EngineConfig.compile: auto = on CUDA only")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -215,7 +220,8 @@ def main() -> None:
     torch.manual_seed(0)
     model = K3ForCausalLM(K3Config.preset(preset)).to(device, dtype).eval()
     cfg = EngineConfig(memory_bytes=(40 * 2**30 if cuda else 256 * 2**20), max_tokens_per_step=2048 if cuda else 512,
-                       prefill_chunk=512 if cuda else 256)
+                       prefill_chunk=512 if cuda else 256,
+                       compile={"auto": None, "on": True, "off": False}[args.compile])
     result = dict(device=str(device), gpu=torch.cuda.get_device_name(device) if cuda else None, preset=preset,
                   dtype=str(dtype), threads=args.threads, torch=torch.__version__,
                   load_average=os.getloadavg(), config={k: v for k, v in cfg.__dict__.items()})
@@ -242,6 +248,8 @@ def main() -> None:
             print(line)
 
     if "multi-turn" not in args.skip:
+        if cuda:  # a first run compiles and autotunes the Triton kernels for the prefill shapes: not prefill time
+            result["multi_turn_cold"] = multi_turn(model, device, args.turns, args.turn_tokens, 16, cfg)
         mt = multi_turn(model, device, args.turns, args.turn_tokens, 16, cfg)
         result["multi_turn"] = mt
         print(f"\nmulti-turn: {args.turns} turns of +{args.turn_tokens} tokens (16 generated per turn), "

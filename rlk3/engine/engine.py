@@ -123,7 +123,8 @@ class RolloutEngine:
         )
         self.requests: dict[str, Request] = {}
         self.scheduler = Scheduler(config, self.pool, self.prefix, self.requests)
-        self.runner = ModelRunner(model, self.layout, config.backend)
+        compile = config.compile if config.compile is not None else self.device.type == "cuda"
+        self.runner = ModelRunner(model, self.layout, config.backend, compile=compile)
         self.version = 0
         self.released = False
         self._arrivals = itertools.count()

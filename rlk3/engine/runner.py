@@ -34,7 +34,9 @@ from rlk3.model.ops.mla import mla_attention, paged_mla_decode, split_kv_b
 
 # Up to this many tokens a MoE layer batches its experts into one matmul per projection (``grouped_experts``; under
 # CUDA-graph capture ``dense_experts``) instead of the model's loop over experts, whose per-expert overhead dominates
-# a decode step. Larger batches (prefill) use the model's own dispatch.
+# a decode step. Larger batches (prefill) use the model's own dispatch on CPU, where padding every expert to the
+# busiest one's count costs more than the loop saves; on CUDA the loop's ~8 launches per expert per layer (and its
+# host synchronisations) are most of a prefill step's host time, so batching applies at any size there.
 SMALL_MOE_MAX_TOKENS = 256
 
 
@@ -64,8 +66,53 @@ class ForwardBatch:
     ctx_mask: torch.Tensor | None = None  # [Σ new tokens of multi-token sequences, ΣS] bool
 
 
+# Under ``compile``, a MoE layer computes every expert for every token (``dense_experts``: static shapes, no host
+# synchronisation, so the whole block compiles into a few fused kernels) while tokens × experts stays under this;
+# larger steps batch the experts eagerly (``grouped_experts``).
+DENSE_MAX_PAIRS = 1 << 16
+
+
+def mix_norm(mixer, norm, stacked: torch.Tensor) -> torch.Tensor:
+    """A sub-layer's input when it mixes several sources: the Attention Residuals mix, then its pre-norm."""
+    return norm(mixer.mix(stacked))
+
+
+def norm_only(norm, x: torch.Tensor) -> torch.Tensor:
+    """A sub-layer's input when it has one source."""
+    return norm(x)
+
+
+def feed_forward_dense(layer, h: torch.Tensor) -> torch.Tensor:
+    """The feed-forward of a normed input: the dense MLP, or the latent MoE with every expert computed."""
+    if isinstance(layer.mlp, StableLatentMoE):
+        return latent_moe(layer.mlp, h, dense_experts)
+    return layer.mlp(h)
+
+
+def kda_output(attn, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """KDA's gated output norm and projection: ``o [T, H, K]``, the gate input ``[T, ·]``."""
+    T, H, K = o.shape
+    if not hasattr(attn, "g_proj"):  # Kimi Linear's low-rank output gate
+        gate = attn.g_b_proj(gate)
+    return attn.o_proj(attn.o_norm(o, gate.view(T, H, K)).reshape(T, H * K))
+
+
+def mla_output(attn, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    """MLA's output gate and projection: ``o [T, H, v]``."""
+    T, H, V = o.shape
+    if gate is not None:
+        o = o * torch.sigmoid(gate).view(T, H, V)
+    return attn.o_proj(o.reshape(T, H * V))
+
+
 class ModelRunner:
-    def __init__(self, model, layout: PoolLayout, backend: str = "auto"):
+    """``compile``: the per-token blocks between the attention kernels (the Attention Residuals mix and pre-norms,
+    the feed-forward, the attention outputs) run through ``torch.compile`` with dynamic shapes (the layers share
+    compiled code; new step sizes may still compile once). Each block becomes a few fused kernels instead of tens of
+    small ones: on an H200 a captured k3-small decode step took half the GPU time (docs/BENCHMARKS.md). Off (the
+    default), everything runs eagerly with the model's own modules; on CPU compiling gains nothing measurable."""
+
+    def __init__(self, model, layout: PoolLayout, backend: str = "auto", compile: bool = False):
         self.model = model
         self.config = model.config
         self.layers = model.model.layers
@@ -76,6 +123,11 @@ class ModelRunner:
         self._fused: dict[int, list[torch.Tensor]] = {}
         self._splits: dict[int, list[int]] = {}
         self.sync_ok = True  # False while a CUDA graph is being captured: no host synchronisation then
+        self.compiled = compile
+        fns = (mix_norm, norm_only, feed_forward_dense, kda_output, mla_output)
+        if compile:
+            fns = tuple(torch.compile(f, dynamic=True) for f in fns)
+        self._mix_norm, self._norm, self._ffn_dense, self._kda_output, self._mla_output = fns
         self.refresh_weights()
 
     @torch.no_grad()
@@ -113,15 +165,22 @@ class ModelRunner:
             stream = ResidualStream(x)
         for i, layer in enumerate(self.layers):
             stream.begin_layer(i)
-            h = layer.input_layernorm(stream.read(layer.attn_res))[0]
+            h = self._read(stream, layer.attn_res, layer.input_layernorm)[0]
             if layer.kind == "kda":
                 out = self._kda(i, layer.self_attn, h, pool, batch)
             else:
                 out = self._mla(i, layer.self_attn, h, pool, batch)
             stream.write(out[None])
-            stream.write(self._feed_forward(layer, stream.read(layer.mlp_res)))
+            stream.write(self._feed_forward(layer, self._read(stream, layer.mlp_res, layer.post_attention_layernorm)))
         final = stream.final(core.output_res)[0, batch.logit_rows]
         return self.model.lm_head(core.norm(final))
+
+    def _read(self, stream, mixer, norm) -> torch.Tensor:
+        """``norm(stream.read(mixer))``, the same operations, with the stacking outside the compiled part."""
+        sources = stream.sources()
+        if len(sources) == 1:
+            return self._norm(norm, sources[0])
+        return self._mix_norm(mixer, norm, torch.stack(sources, dim=-2))
 
     # -- KDA
 
@@ -173,9 +232,7 @@ class ModelRunner:
             states[sel] = final
             outs.append(o[0])
         o = torch.cat(outs) if len(outs) > 1 else outs[0]
-        if not hasattr(attn, "g_proj"):  # Kimi Linear's low-rank output gate
-            gate = attn.g_b_proj(gate)
-        return attn.o_proj(attn.o_norm(o, gate.view(T, H, K)).reshape(T, H * K))
+        return self._kda_output(attn, o, gate)
 
     # -- MLA
 
@@ -230,15 +287,18 @@ class ModelRunner:
                 outs.append(o[0])
                 offset += n
         o = torch.cat(outs) if len(outs) > 1 else outs[0]  # [T, H, v]
-        if gate:
-            o = o * torch.sigmoid(gate[0]).view(T, H, attn.v_dim)
-        return attn.o_proj(o.reshape(T, H * attn.v_dim))
+        return self._mla_output(attn, o, gate[0] if gate else None)
 
     # -- feed-forward
 
-    def _feed_forward(self, layer, x: torch.Tensor) -> torch.Tensor:
-        h = layer.post_attention_layernorm(x)
-        if isinstance(layer.mlp, StableLatentMoE) and h.shape[0] * h.shape[1] <= SMALL_MOE_MAX_TOKENS:
+    def _feed_forward(self, layer, h: torch.Tensor) -> torch.Tensor:
+        """The feed-forward of the normed input ``h [1, T, D]``."""
+        tokens = h.shape[0] * h.shape[1]
+        if not isinstance(layer.mlp, StableLatentMoE):
+            return self._ffn_dense(layer, h)
+        if self.compiled and (not self.sync_ok or tokens * layer.mlp.experts.num_experts <= DENSE_MAX_PAIRS):
+            return self._ffn_dense(layer, h)
+        if tokens <= SMALL_MOE_MAX_TOKENS or h.is_cuda:
             return latent_moe(layer.mlp, h, grouped_experts if self.sync_ok else dense_experts)
         return layer.mlp(h)
 
@@ -252,7 +312,8 @@ def prefill_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale, mask=No
 
     ``prefix`` > 0: the queries are the last ``T`` of ``S = prefix + T`` positions and attend causally (a cached
     prefix and its extension). On CPU that runs as two fused calls merged by their log-sum-exps (``_prefix_causal``)
-    instead of one call with a ``[T, S]`` mask."""
+    instead of one call with a ``[T, S]`` mask. On CUDA the masked call (the memory-efficient kernel) measured as
+    fast as the merge of two flash calls (0.81 vs 0.86 ms at T = 2K, S = 20K, k3-small's heads, H200), so it stays."""
     H = q_nope.shape[2]
     k_nope = torch.einsum("bsl,hdl->bhsd", latent, w_uk.to(latent.dtype))
     v = torch.einsum("bsl,hdl->bhsd", latent, w_uv.to(latent.dtype))

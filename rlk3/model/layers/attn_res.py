@@ -26,11 +26,15 @@ class AttnResMixer(nn.Module):
     def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
         if len(sources) == 1:
             return sources[0]
-        v = torch.stack(sources, dim=-2).float()  # [..., n, D]
+        return self.mix(torch.stack(sources, dim=-2))
+
+    def mix(self, stacked: torch.Tensor) -> torch.Tensor:
+        """The mix of sources stacked as ``[..., n, D]`` (one tensor, so a compiled caller sees one input)."""
+        v = stacked.float()
         keys = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + self.eps)
         scores = (keys * (self.norm_weight.float() * self.proj.weight[0].float())).sum(-1)
         p = scores.softmax(dim=-1)
-        return (p.unsqueeze(-1) * v).sum(-2).to(sources[0].dtype)
+        return (p.unsqueeze(-1) * v).sum(-2).to(stacked.dtype)
 
 
 class ResidualStream:
@@ -44,6 +48,10 @@ class ResidualStream:
 
     def read(self, mixer: AttnResMixer | None) -> torch.Tensor:
         return self.h
+
+    def sources(self) -> list[torch.Tensor]:
+        """What ``read`` mixes: here the one running sum."""
+        return [self.h]
 
     def write(self, out: torch.Tensor) -> None:
         self.h = self.h + out
@@ -66,9 +74,13 @@ class AttnResStream:
             self.blocks.append(self.partial)  # the partial sum completes a block (layer 0: the embedding)
             self.at_boundary = True
 
+    def sources(self) -> list[torch.Tensor]:
+        """What ``read`` mixes: the completed blocks, and the partial sum unless it was just frozen (at a boundary
+        the partial sum *is* the block just completed, so it is not a second source)."""
+        return self.blocks if self.at_boundary else [*self.blocks, self.partial]
+
     def read(self, mixer: AttnResMixer | None) -> torch.Tensor:
-        # at a boundary the partial sum *is* the block just completed, so it is not a second source
-        sources = self.blocks if self.at_boundary else [*self.blocks, self.partial]
+        sources = self.sources()
         if mixer is None:  # only layer 0's attention, whose single source is the embedding
             assert len(sources) == 1
             return sources[0]

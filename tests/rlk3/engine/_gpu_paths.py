@@ -25,9 +25,11 @@ def make_prompts(vocab, lengths):
     return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def run(model, backend, graphs, prompts, max_tokens=24, sampling=None):
+def run(model, backend, graphs, prompts, max_tokens=24, sampling=None, compile=False):
+    """Compilation is off unless asked for: the kernel-vs-torch comparisons pin MoE routing by patching the router
+    (``pinned_routing``), which a compiled block would not see, and are about the kernels."""
     cfg = EngineConfig(memory_bytes=2 * 2**30, backend=backend, cuda_graphs=graphs, max_tokens_per_step=1024,
-                       prefill_chunk=256)
+                       prefill_chunk=256, compile=compile)
     engine = RolloutEngine(model, cfg)
     return engine.generate(prompts, sampling or SamplingParams(max_tokens=max_tokens, temperature=0))
 

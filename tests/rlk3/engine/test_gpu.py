@@ -75,18 +75,20 @@ def test_kernel_path_scores_like_torch_path_bf16():
         ("k3-small", torch.bfloat16, [3, 17, 64, 100, 250, 7, 40, 30]),  # a captured size: no padding
     ],
 )
-def test_cuda_graph_decode_equals_eager(preset, dtype, lengths):
+@pytest.mark.parametrize("compile", [False, True], ids=["eager-blocks", "compiled-blocks"])
+def test_cuda_graph_decode_equals_eager(preset, dtype, lengths, compile):
     """Eager decode is bit-reproducible (the MoE adds each token's expert outputs in a fixed order, not with
     atomics), and replaying the captured decode graphs gives what eager decode gives. In bf16 the batch is a
     captured size: bf16 decode is not batch-invariant (a sequence's bits depend on how many rows its batch has),
     so 7 sequences padded to the graph of 8 equal an eager batch of 8, not of 7 — the next test. fp32 keeps the
-    padded case (within 1e-4)."""
+    padded case (within 1e-4). The same with the per-token blocks compiled (``EngineConfig.compile``, the CUDA
+    default): the graphs then capture inductor's kernels."""
     model = make_model(preset, dtype)
     prompts = make_prompts(model.config.vocab_size, lengths)
-    eager = run(model, "auto", False, prompts)
-    again = run(model, "auto", False, prompts)
+    eager = run(model, "auto", False, prompts, compile=compile)
+    again = run(model, "auto", False, prompts, compile=compile)
     assert [(r.token_ids, r.logprobs) for r in again] == [(r.token_ids, r.logprobs) for r in eager]
-    graphed = run(model, "auto", True, prompts)
+    graphed = run(model, "auto", True, prompts, compile=compile)
     for a, b in zip(graphed, eager):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-4
@@ -102,6 +104,19 @@ def test_padded_graph_decode_equals_eager_decode_at_the_graph_size():
     graphed = run(model, "auto", True, prompts[:7])
     eager8 = run(model, "auto", False, prompts)[:7]
     assert [(r.token_ids, r.logprobs) for r in graphed] == [(r.token_ids, r.logprobs) for r in eager8]
+
+
+def test_compiled_blocks_score_like_eager_blocks():
+    """``EngineConfig.compile``: the compiled per-token blocks compute what the model's modules compute. k3-tiny in
+    fp32 (inductor reorders reductions, so not bit-equal): the same greedy tokens, log-probs within 1e-4; prefill
+    steps of several sequences and lengths included."""
+    model = make_model("k3-tiny", torch.float32)
+    prompts = make_prompts(model.config.vocab_size, PATH_PROMPTS)
+    eager = run(model, "auto", True, prompts)
+    compiled = run(model, "auto", True, prompts, compile=True)
+    for a, b in zip(compiled, eager):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-4
 
 
 def test_cuda_graphs_survive_weight_updates_and_pool_release():

@@ -80,3 +80,20 @@ def test_prefill_attention_equals_mla_attention(qk, v):
     bf = [t.bfloat16() for t in (q_nope, q_rope, latent, k_rope)]  # the merge keeps the input dtype
     got = prefill_attention(*bf, w_uk, w_uv, 0.1, prefix=S - T)
     assert got.dtype == torch.bfloat16 and rel_err(got.float(), ref) <= 2e-2
+
+
+@pytest.mark.slow  # ~40 s: inductor compiles the blocks for the CPU
+def test_compiled_blocks_generate_what_the_eager_blocks_generate(tiny):
+    """``EngineConfig.compile`` (the CUDA default, opt-in on CPU): the per-token blocks through ``torch.compile``
+    give the eager engine's greedy tokens and log-probs within 1e-5 (fp32; inductor reorders reductions, so not
+    bit-equal), over prefills of several lengths in one step and decode steps of several batch sizes."""
+    prompts = [prompt(n, seed=n) for n in (5, 40, 300, 1)]
+    sampling = SamplingParams(max_tokens=12, temperature=0)
+    eager = RolloutEngine(tiny, EngineConfig(memory_bytes=2**28)).generate(prompts, sampling)
+    engine = RolloutEngine(tiny, EngineConfig(memory_bytes=2**28, compile=True))
+    assert engine.runner.compiled
+    compiled = engine.generate(prompts, sampling)
+    for a, b in zip(compiled, eager):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-5
+    assert not RolloutEngine(tiny, EngineConfig(memory_bytes=2**28)).runner.compiled  # off on CPU by default
