@@ -134,6 +134,7 @@ def paged_latent_attention_triton(q_lat, q_rope, latent_pages, rope_pages, block
     head_tiles = triton.cdiv(H, block_h)
     splits = num_splits(B, head_tiles, block_tables.shape[1] * page, block_t)
     out = torch.empty(B, splits, H, L, dtype=torch.float32, device=q_lat.device)
+    # one split: the kernel writes no log-sum-exp (SPLITS is a constexpr), so any tensor fills the argument
     lse = torch.empty(B, splits, H, dtype=torch.float32, device=q_lat.device) if splits > 1 else out
     grid = (B, head_tiles, splits)
     _paged_latent_attention_kernel[grid](
