@@ -211,6 +211,8 @@ def main() -> None:
     ap.add_argument("--skip", choices=["decode", "multi-turn"], action="append", default=[])
     ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                     help="EngineConfig.compile: auto = on CUDA only")
+    ap.add_argument("--step-tokens", type=int, default=None,
+                    help="EngineConfig.max_tokens_per_step (default 2048 on CUDA, 512 on CPU)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -219,7 +221,8 @@ def main() -> None:
     preset, dtype = ("k3-small", torch.bfloat16) if cuda else ("k3-tiny", torch.float32)
     torch.manual_seed(0)
     model = K3ForCausalLM(K3Config.preset(preset)).to(device, dtype).eval()
-    cfg = EngineConfig(memory_bytes=(40 * 2**30 if cuda else 256 * 2**20), max_tokens_per_step=2048 if cuda else 512,
+    cfg = EngineConfig(memory_bytes=(40 * 2**30 if cuda else 256 * 2**20),
+                       max_tokens_per_step=args.step_tokens or (2048 if cuda else 512),
                        prefill_chunk=512 if cuda else 256,
                        compile={"auto": None, "on": True, "off": False}[args.compile])
     result = dict(device=str(device), gpu=torch.cuda.get_device_name(device) if cuda else None, preset=preset,

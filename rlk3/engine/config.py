@@ -61,9 +61,9 @@ class EngineConfig:
     # -- execution
     backend: str = "auto"  # "auto": FLA/Triton kernels on CUDA when importable, torch otherwise; "torch": always
     cuda_graphs: bool = True  # capture the decode step on CUDA (ignored on CPU)
-    # torch.compile the per-token blocks between attention kernels (runner.py); None: on CUDA only. Off by default:
-    # its GPU tests have not run yet (docs/engine.md)
-    compile: bool | None = False
+    # torch.compile the per-token blocks between attention kernels (runner.py); None (the default): on CUDA only,
+    # where it halves a decode step (docs/BENCHMARKS.md); on CPU it gains nothing and costs compile time
+    compile: bool | None = None
     cuda_graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128])
     seed: int = 0  # seeds the generators of requests that bring no seed of their own
 

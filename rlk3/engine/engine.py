@@ -24,8 +24,11 @@ from rlk3.engine.scheduler import Scheduler
 
 # Multi-token sequences share one masked MLA attention while (new tokens) x (their cached + new tokens) stays under
 # this many mask entries: that saves per-sequence overhead for short chunks, but the packed attention also computes
-# every cross-sequence score, so longer prefills attend one sequence at a time.
-PACKED_PREFILL_MAX = 1 << 16
+# every cross-sequence score, so longer prefills attend one sequence at a time. On CUDA the per-sequence overhead is
+# the cost (each sequence's attention is ~15 launches of ~35 us host time per MLA layer, a 2,048-token step of 32
+# prompts took ~100 ms for ~15 ms of GPU work) and the cross-sequence scores are nearly free, so the bound is the
+# mask's memory: 16M entries (a 4,096-token step; SDPA expands the mask to a float bias, 64 MiB).
+PACKED_PREFILL_MAX = {"cpu": 1 << 16, "cuda": 1 << 24}
 
 
 class EngineError(RuntimeError):
@@ -556,7 +559,8 @@ class RolloutEngine:
             logit_rows=t(logit_rows), conv_src=t(conv_src).reshape(-1, W + 1), conv_new=t(conv_new).reshape(N, W),
         )
         total_q, total_k = sum(lens), sum(a + n for a, n in zip(starts, lens))
-        if has_mla and len(multi) > 1 and total_q * total_k <= PACKED_PREFILL_MAX:
+        packed_max = PACKED_PREFILL_MAX["cuda" if dev.type == "cuda" else "cpu"]
+        if has_mla and len(multi) > 1 and total_q * total_k <= packed_max:
             q_seg, q_pos, k_seg, k_pos, pages = [], [], [], [], []
             for j, (req, a, n) in enumerate(zip(multi, starts, lens)):
                 positions = torch.arange(a + n)
@@ -565,11 +569,11 @@ class RolloutEngine:
                 k_seg.append(torch.full((a + n,), j))
                 k_pos.append(positions)
                 pages.append(torch.tensor(req.pages)[positions // bs])
-            q_seg, q_pos, k_seg, k_pos = (torch.cat(x) for x in (q_seg, q_pos, k_seg, k_pos))
-            mask = (q_seg[:, None] == k_seg[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+            # the mask is built where it is used: the vectors are O(tokens), the mask O(tokens²)
+            q_seg, q_pos, k_seg, k_pos = (torch.cat(x).to(dev) for x in (q_seg, q_pos, k_seg, k_pos))
+            batch.ctx_mask = (q_seg[:, None] == k_seg[None, :]) & (k_pos[None, :] <= q_pos[:, None])
             batch.ctx_pages = torch.cat(pages).to(dev)
-            batch.ctx_offsets = (k_pos % bs).to(dev)
-            batch.ctx_mask = mask.to(dev)
+            batch.ctx_offsets = k_pos % bs
         return batch
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -110,7 +110,8 @@ class ModelRunner:
     the feed-forward, the attention outputs) run through ``torch.compile`` with dynamic shapes (the layers share
     compiled code; new step sizes may still compile once). Each block becomes a few fused kernels instead of tens of
     small ones: on an H200 a captured k3-small decode step took half the GPU time (docs/BENCHMARKS.md). Off (the
-    default), everything runs eagerly with the model's own modules; on CPU compiling gains nothing measurable."""
+    engine's default on CPU, where compiling gains nothing measurable), everything runs eagerly with the model's own
+    modules."""
 
     def __init__(self, model, layout: PoolLayout, backend: str = "auto", compile: bool = False):
         self.model = model

@@ -107,19 +107,23 @@ def test_padded_graph_decode_equals_eager_decode_at_the_graph_size():
 
 
 def test_compiled_blocks_score_like_eager_blocks():
-    """``EngineConfig.compile``: the compiled per-token blocks compute what the model's modules compute. k3-tiny in
-    fp32 (inductor reorders reductions, so not bit-equal): the same greedy tokens, log-probs within 1e-4; prefill
-    steps of several sequences and lengths included."""
+    """``EngineConfig.compile``: the compiled per-token blocks (inductor's Triton code) compute what the model's
+    modules compute. k3-tiny in fp32 on the torch attention path, so that only the blocks differ (inductor reorders
+    reductions, so not bit-equal): the same greedy tokens, log-probs within 1e-5; prefill steps of several sequences
+    and lengths included. On the kernel path FLA multiplies in TF32 (10-bit mantissa) and magnifies any last-bit
+    difference: 9.6e-4 measured there, which says nothing about the blocks; the compiled blocks on that path are
+    covered by the graph-vs-eager case above and by the weight-update test below."""
     model = make_model("k3-tiny", torch.float32)
     prompts = make_prompts(model.config.vocab_size, PATH_PROMPTS)
-    eager = run(model, "auto", True, prompts)
-    compiled = run(model, "auto", True, prompts, compile=True)
+    eager = run(model, "torch", False, prompts)
+    compiled = run(model, "torch", False, prompts, compile=True)
     for a, b in zip(compiled, eager):
         assert a.token_ids == b.token_ids
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-4
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-5
 
 
 def test_cuda_graphs_survive_weight_updates_and_pool_release():
+    """With the engine's defaults on CUDA (graphs and compiled blocks), against an eager engine of the new weights."""
     model = make_model("k3-tiny", torch.float32)
     prompts = make_prompts(model.config.vocab_size, [10, 20, 30])
     cfg = EngineConfig(memory_bytes=2**30)
@@ -129,7 +133,7 @@ def test_cuda_graphs_survive_weight_updates_and_pool_release():
     new = K3ForCausalLM(K3Config()).to("cuda").eval()
     engine.update_weights(new.state_dict(), version=1)  # copied in place: the captured graphs see the new weights
     after = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0))
-    reference = RolloutEngine(new, EngineConfig(memory_bytes=2**30, cuda_graphs=False))
+    reference = RolloutEngine(new, EngineConfig(memory_bytes=2**30, cuda_graphs=False, compile=False))
     expected = reference.generate(prompts, SamplingParams(max_tokens=16, temperature=0))
     assert [r.token_ids for r in after] == [r.token_ids for r in expected]
     engine.release_memory()  # drops the graphs with the pool; they are captured again on the next decode

@@ -47,7 +47,7 @@ def test_packed_multi_sequence_prefill_equals_one_at_a_time(tiny, monkeypatch):
     prompts = [prompt(n, seed=n) for n in (3, 9, 30, 17, 50)]
     outs = []
     for packed in (True, False):
-        monkeypatch.setattr(engine_module, "PACKED_PREFILL_MAX", 1 << 30 if packed else 0)
+        monkeypatch.setitem(engine_module.PACKED_PREFILL_MAX, "cpu", 1 << 30 if packed else 0)
         engine = RolloutEngine(tiny, EngineConfig(memory_bytes=8 * 2**20, max_tokens_per_step=40, prefill_chunk=8))
         outs.append(engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0)))
     for a, b, p in zip(*outs, prompts):
