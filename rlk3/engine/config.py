@@ -66,6 +66,10 @@ class EngineConfig:
     compile: bool | None = None
     cuda_graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128])
     seed: int = 0  # seeds the generators of requests that bring no seed of their own
+    # how sampled rows draw (sampling.py): "generator" (a torch.Generator per request, row by row) or "counter"
+    # (hashed (seed, position) noise, every row in one batched draw: ~65-95 operators per step whatever the batch,
+    # against 6-15 per drawn row). Opt-in until its GPU test and benchmark have run (docs/engine.md)
+    sampler: str = "generator"
 
     def __post_init__(self) -> None:
         own = "EngineConfig"
@@ -105,6 +109,10 @@ class EngineConfig:
             _bool(own, key, getattr(self, key))
         if self.compile is not None and not isinstance(self.compile, bool):
             raise EngineConfigError(f"{own}.compile must be a bool or None (None: on CUDA only), got {self.compile!r}")
+        if self.sampler not in ("generator", "counter"):
+            raise EngineConfigError(
+                f"{own}.sampler must be 'generator' or 'counter' (sampling.py), got {self.sampler!r}"
+            )
         if self.backend not in BACKENDS:
             raise EngineConfigError(f"{own}.backend must be one of {list(BACKENDS)}, got {self.backend!r}")
         sizes = self.cuda_graph_batch_sizes

@@ -127,6 +127,7 @@ class RolloutEngine:
         self.requests: dict[str, Request] = {}
         self.scheduler = Scheduler(config, self.pool, self.prefix, self.requests)
         compile = config.compile if config.compile is not None else self.device.type == "cuda"
+        self.counter_sampling = config.sampler == "counter"
         self.runner = ModelRunner(model, self.layout, config.backend, compile=compile)
         self.version = 0
         self.released = False
@@ -162,7 +163,7 @@ class RolloutEngine:
             raise ValueError(f"request_id {request_id!r} is already in use (abort or release it first)")
         self._check_fits(len(tokens) + sampling.max_tokens, f"request {request_id!r}")
         req = Request(
-            request_id=request_id, tokens=tokens, sampling=sampling, generator=self._generator(sampling),
+            request_id=request_id, tokens=tokens, sampling=sampling, **self._stream(sampling),
             arrival=next(self._arrivals), turn_start=len(tokens),
         )
         self._mark_turn_ends(req, turn_ends, 0)
@@ -192,7 +193,8 @@ class RolloutEngine:
         self._check_fits(len(req.tokens) + len(tokens) + sampling.max_tokens, f"request {request_id!r}")
         start = len(req.tokens)
         if sampling is not req.sampling and sampling.seed is not None:
-            req.generator = self._generator(sampling)
+            stream = self._stream(sampling)
+            req.generator, req.seed = stream["generator"], stream["seed"]
         req.tokens += tokens
         req.sampling = sampling
         req.turn += 1
@@ -501,11 +503,12 @@ class RolloutEngine:
                 f"{self.pool.num_pages} pages ({self.pool.num_pages * self.layout.page_bytes} bytes)"
             )
 
-    def _generator(self, sampling: SamplingParams) -> torch.Generator:
+    def _stream(self, sampling: SamplingParams) -> dict:
+        """A request's random stream: its seed and the generator seeded with it."""
         seed = sampling.seed
         if seed is None:  # drawn from the engine's seed: reproducible given the same sequence of calls
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
-        return torch.Generator(device=self.device).manual_seed(seed)
+        return dict(seed=seed, generator=torch.Generator(device=self.device).manual_seed(seed))
 
     def _mark_turn_ends(self, req: Request, turn_ends: Sequence[int], offset: int) -> None:
         B = self.config.prefix_block_tokens
@@ -591,7 +594,10 @@ class RolloutEngine:
     def _sample(self, wanted: list[Request], logits: torch.Tensor) -> list[GenerationResult]:
         if not wanted:
             return []
-        tokens, logprobs = sample(logits, [r.sampling for r in wanted], [r.generator for r in wanted])
+        keys = None
+        if self.counter_sampling:  # (seed, position of the token being drawn), the seed folded into int64
+            keys = torch.tensor([[r.seed % 2**63, len(r.tokens)] for r in wanted], device=logits.device)
+        tokens, logprobs = sample(logits, [r.sampling for r in wanted], [r.generator for r in wanted], keys=keys)
         finished = []
         for req, tok, lp in zip(wanted, tokens, logprobs):
             req.tokens.append(tok)

@@ -44,6 +44,7 @@ class Request:
     tokens: list[int]  # the whole sequence: prompt, generated tokens, appended tool output, ...
     sampling: SamplingParams
     generator: torch.Generator
+    seed: int  # the request's seed (drawn from the engine's when the request brought none): the counter sampler's key
     arrival: int  # FIFO order of add_request / extend
     turn_start: int  # tokens[turn_start:] are this turn's generated tokens
     marks: set[int] = field(default_factory=set)  # block boundaries that want a KDA checkpoint (turn ends)

@@ -44,35 +44,39 @@ def test_greedy_equals_hf_generate_with_chunked_prefill_and_continuous_batching(
         assert res.prompt_token_ids == p
 
 
-def _run_alone(model, p, sampling, cfg=None):
-    engine = RolloutEngine(model, cfg or EngineConfig(memory_bytes=16 * 2**20))
+def _run_alone(model, p, sampling, cfg=None, sampler="generator"):
+    engine = RolloutEngine(model, cfg or EngineConfig(memory_bytes=16 * 2**20, sampler=sampler))
     return engine.generate([p], sampling)[0]
 
 
+@pytest.mark.parametrize("sampler", ["generator", "counter"])  # sampling.py: both keep these guarantees
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (50, 0.9)])
-def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny, top_k, top_p):
+def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny, sampler, top_k, top_p):
     p = prompt(40, seed=1)
     sp = SamplingParams(max_tokens=20, temperature=0.8, top_k=top_k, top_p=top_p, seed=1234)
-    alone = _run_alone(tiny, p, sp)
-    engine = RolloutEngine(tiny, EngineConfig(memory_bytes=16 * 2**20))
+    alone = _run_alone(tiny, p, sp, sampler=sampler)
+    engine = RolloutEngine(tiny, EngineConfig(sampler=sampler, memory_bytes=16 * 2**20))
     others = [prompt(n, seed=10 + n) for n in (3, 70, 25)]
     params = [SamplingParams(max_tokens=9, temperature=1.0), sp, SamplingParams(max_tokens=30), SamplingParams()]
     batch = engine.generate([others[0], p, others[1], others[2]], params)
     assert batch[1].token_ids == alone.token_ids
     assert max(abs(a - b) for a, b in zip(batch[1].logprobs, alone.logprobs)) <= 1e-5
-    other_seed = _run_alone(tiny, p, SamplingParams(**{**sp.__dict__, "seed": 99}))
+    other_seed = _run_alone(tiny, p, SamplingParams(**{**sp.__dict__, "seed": 99}), sampler=sampler)
     assert other_seed.token_ids != alone.token_ids  # the seed matters: this test can fail
     # the reported logprob is under softmax(logits / T) over the whole vocabulary, before top-k/top-p
     ref = full_forward_logprobs(tiny, p, alone.token_ids, temperature=0.8)
     assert max(abs(a - b) for a, b in zip(alone.logprobs, ref)) <= 1e-5
 
 
+@pytest.mark.parametrize("sampler", ["generator", "counter"])  # sampling.py: both keep these guarantees
 @pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "seeded"])
-def test_pause_then_resume_continues_as_if_never_paused(tiny, greedy):
+def test_pause_then_resume_continues_as_if_never_paused(tiny, sampler, greedy):
     p = prompt(90, seed=2)
     sp = SamplingParams(max_tokens=24, temperature=0.0 if greedy else 1.0, seed=7)
-    straight = _run_alone(tiny, p, sp)
-    engine = RolloutEngine(tiny, EngineConfig(memory_bytes=16 * 2**20, max_tokens_per_step=24, prefill_chunk=16))
+    straight = _run_alone(tiny, p, sp, sampler=sampler)
+    engine = RolloutEngine(
+        tiny, EngineConfig(sampler=sampler, memory_bytes=16 * 2**20, max_tokens_per_step=24, prefill_chunk=16)
+    )
     rid = engine.add_request(p, sp)
     other = engine.add_request(prompt(30, seed=3), SamplingParams(max_tokens=40))
     engine.step()  # paused in the middle of its prefill ...
@@ -99,13 +103,14 @@ def test_pause_then_resume_continues_as_if_never_paused(tiny, greedy):
     engine.abort([other])
 
 
+@pytest.mark.parametrize("sampler", ["generator", "counter"])  # sampling.py: both keep these guarantees
 @pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "seeded"])
-def test_extend_equals_prefilling_the_whole_conversation(tiny, greedy):
+def test_extend_equals_prefilling_the_whole_conversation(tiny, sampler, greedy):
     """Turn 1, then tool output appended with extend(): the second turn's tokens and logprobs equal a fresh
     request whose prompt is the whole conversation, and the full forward pass."""
     p, tool = prompt(150, seed=4), prompt(37, seed=5)
     t = 0.0 if greedy else 0.9
-    engine = RolloutEngine(tiny, EngineConfig(memory_bytes=16 * 2**20))
+    engine = RolloutEngine(tiny, EngineConfig(sampler=sampler, memory_bytes=16 * 2**20))
     rid = engine.add_request(p, SamplingParams(max_tokens=12, temperature=t, seed=11))
     while engine.requests[rid].status != RequestStatus.FINISHED:
         engine.step()
@@ -119,7 +124,8 @@ def test_extend_equals_prefilling_the_whole_conversation(tiny, greedy):
     assert turn2.num_cached_tokens == len(p) + len(turn1.token_ids) - 1  # all but turn 1's last token
     # only the tool output and turn 1's last token were computed: the cache was reused
     assert engine.stats().prefill_tokens - computed_before == len(tool) + 1
-    fresh = _run_alone(tiny, p + turn1.token_ids + tool, SamplingParams(max_tokens=15, temperature=t, seed=12))
+    fresh = _run_alone(tiny, p + turn1.token_ids + tool, SamplingParams(max_tokens=15, temperature=t, seed=12),
+                       sampler=sampler)
     assert turn2.token_ids == fresh.token_ids
     assert max(abs(a - b) for a, b in zip(turn2.logprobs, fresh.logprobs)) <= 1e-5
     ref = full_forward_logprobs(tiny, turn2.prompt_token_ids, turn2.token_ids, temperature=1.0 if greedy else t)
@@ -145,17 +151,18 @@ def test_stop_tokens_and_stop_strings(tiny):
     assert res.finish_reason == FinishReason.STOP and res.token_ids == free.token_ids[:end]
 
 
-def test_top_k_one_is_greedy_and_top_p_restricts_support(tiny):
+@pytest.mark.parametrize("sampler", ["generator", "counter"])  # sampling.py: both keep these guarantees
+def test_top_k_one_is_greedy_and_top_p_restricts_support(tiny, sampler):
     p = prompt(30, seed=8)
-    greedy = _run_alone(tiny, p, SamplingParams(max_tokens=12, temperature=0))
-    k1 = _run_alone(tiny, p, SamplingParams(max_tokens=12, temperature=1.5, top_k=1, seed=3))
+    greedy = _run_alone(tiny, p, SamplingParams(max_tokens=12, temperature=0), sampler=sampler)
+    k1 = _run_alone(tiny, p, SamplingParams(max_tokens=12, temperature=1.5, top_k=1, seed=3), sampler=sampler)
     assert k1.token_ids == greedy.token_ids
     # top-p small enough to keep only the argmax at every step: greedy again, logprobs still at T=1.5
-    p1 = _run_alone(tiny, p, SamplingParams(max_tokens=12, temperature=1.5, top_p=1e-6, seed=3))
+    p1 = _run_alone(tiny, p, SamplingParams(max_tokens=12, temperature=1.5, top_p=1e-6, seed=3), sampler=sampler)
     assert p1.token_ids == greedy.token_ids
     ref = full_forward_logprobs(tiny, p, p1.token_ids, temperature=1.5)
     assert max(abs(a - b) for a, b in zip(p1.logprobs, ref)) <= 1e-5
-    wide = _run_alone(tiny, p, SamplingParams(max_tokens=12, temperature=1.5, seed=3))
+    wide = _run_alone(tiny, p, SamplingParams(max_tokens=12, temperature=1.5, seed=3), sampler=sampler)
     assert wide.token_ids != greedy.token_ids
 
 

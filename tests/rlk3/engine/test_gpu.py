@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from rlk3.engine import EngineConfig, RolloutEngine, SamplingParams
+from rlk3.engine.sampling import counter_uniform
 from rlk3.model import K3Config, K3ForCausalLM
 from tests.rlk3.engine._gpu_paths import PATH_PROMPTS, make_model, make_prompts, run, teacher_forced
 from tests.rlk3.model._routing import pinned_routing
@@ -142,3 +143,10 @@ def test_cuda_graphs_survive_weight_updates_and_pool_release():
     assert [r.token_ids for r in again] == [r.token_ids for r in expected]
     assert [r.token_ids for r in first] != [r.token_ids for r in after]
     engine.check_invariants()
+
+
+def test_counter_sampler_draws_the_same_noise_on_cuda_as_on_cpu():
+    """The counter sampler's hash is 64-bit integer arithmetic (wrapping multiplies, masked shifts): the same bits on
+    any device, so a seeded request draws the same tokens wherever its logits agree."""
+    keys = torch.tensor([[0, 0], [5, 100], [2**62, 7], [123456789, 2**40], [2**63 - 1, 1]])
+    assert torch.equal(counter_uniform(keys, 4096), counter_uniform(keys.cuda(), 4096).cpu())
