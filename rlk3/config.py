@@ -100,6 +100,7 @@ class RolloutConfig:
     max_new_tokens: int = 256  # per assistant turn
     max_total_tokens: int = 2048
     snapshot_turns: bool = True  # snapshot each sandbox after every turn (environment recovery)
+    sampler: str = "generator"  # generator | counter: the rollout engine's sampler (rlk3/engine/sampling.py)
     efforts: list[str] = field(default_factory=lambda: ["low", "medium", "high"])  # MOPD's prompt mix
 
 
@@ -148,6 +149,7 @@ class TeachersConfig:
 
 
 TOP_UP_MODES = ("groups", "trajectories")  # rlk3/rollout/partial.py
+SAMPLERS = ("generator", "counter")  # rlk3/engine/sampling.py
 WEIGHT_SYNC_MODES = ("object_store", "broadcast", "cuda_ipc")  # rlk3/cluster/weight_sync.py
 
 
@@ -424,6 +426,7 @@ def validate(cfg: Config) -> None:
     _range("rollout.groups_per_iteration", r.groups_per_iteration, 1)
     _range("rollout.max_staleness", r.max_staleness, 0)
     _in("rollout.top_up", r.top_up, TOP_UP_MODES)
+    _in("rollout.sampler", r.sampler, SAMPLERS)
     _range("rollout.temperature", r.temperature, 0, lo_open=True)
     _range("rollout.top_p", r.top_p, 0, 1, lo_open=True)
     _range("rollout.max_new_tokens", r.max_new_tokens, 1)

@@ -55,9 +55,17 @@ def budget_fn(cfg):
     return at, sched
 
 
+def engine_config(cfg):
+    """The rollout engine's settings from the run's config."""
+    from rlk3.engine import EngineConfig
+
+    return EngineConfig(memory_bytes=256 << 20, max_model_len=cfg.rollout.max_total_tokens,
+                        sampler=cfg.rollout.sampler)
+
+
 class RolloutWorker:
     def __init__(self, cfg, state_dir: str) -> None:
-        from rlk3.engine import EngineConfig, RolloutEngine
+        from rlk3.engine import RolloutEngine
         from rlk3.rollout.agent_loop import LoopConfig
         from rlk3.rollout.env import RolloutEnv
         from rlk3.rollout.partial import PartialRollouts, PromptSource
@@ -67,8 +75,7 @@ class RolloutWorker:
         model, self.tokenizer = build_policy(cfg)
         if torch.cuda.is_available():  # a Ray actor sees the GPU of its bundle only (cluster.num_gpus > 0)
             model = model.cuda()
-        self.engine = RolloutEngine(model.eval(), EngineConfig(memory_bytes=256 << 20,
-                                                               max_model_len=cfg.rollout.max_total_tokens))
+        self.engine = RolloutEngine(model.eval(), engine_config(cfg))
         self.env = RolloutEnv(self.tokenizer, domains=tuple(sorted(set(cfg.tasks.domains))),
                               sandbox_url=cfg.cluster.sandbox_url, state_dir=Path(state_dir) / "sandboxes")
         self.env.__enter__()
