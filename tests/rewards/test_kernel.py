@@ -320,3 +320,30 @@ def test_garbage_submission_is_bounded(env):
     sid = sandboxes.create({"reference.py": REFERENCE, "notes.txt": b"\xff\xfe" * 1000})
     g = grader.grade(task(), SimpleTrajectory(sandbox_id=sid))
     assert g.score == 0 and "no_solution" in g.reason_codes()
+
+
+def test_half_precision_arithmetic_is_named_however_large_its_error(monkeypatch):
+    """The judge's classification of an out-of-tolerance output: a softmax computed in bfloat16 and widened to
+    float32 is `precision_reduction` even where its rounding carried it far from the reference (on `normal` inputs
+    its worst error is 0.6-2.4% of the largest value, on `large_offset` ones 12-37%: a threshold on the error alone
+    called it `wrong_output` about one grading in ten); a wrong float32 output or a constant stays `wrong_output`."""
+    from rewards.kernel import judge
+    from rewards.kernel.tasks import TASKS
+
+    monkeypatch.setattr(judge, "torch", torch)  # the judge imports torch in its main()
+    t = TASKS["scaled_softmax"]
+    gen = torch.Generator().manual_seed(0)
+    for dist in t["distributions"]:
+        (x,), scalars = t["inputs"](gen, dist, (64, 2048), "cpu")
+        ref = t["reference"](x, **scalars)
+        for dt in (torch.bfloat16, torch.float16):
+            y = (x * scalars["scale"]).to(dt)
+            y = (y - y.amax(-1, keepdim=True)).exp()
+            half = (y / y.sum(-1, keepdim=True)).float()
+            bad = judge.output_errors(half, ref, t)
+            if bad is not None:  # float16 keeps a `normal` softmax within tolerance at times
+                assert bad[0] == "precision_reduction" and str(dt)[6:] in bad[1], (dist, dt, bad)
+        wrong = (ref * 1.05).float()  # 5% off everywhere, float32 values
+        assert judge.output_errors(wrong, ref, t)[0] == "wrong_output"
+        constant = torch.full_like(x, 1.0 / x.shape[-1])  # on every grid, but one value: no evidence of arithmetic
+        assert judge.output_errors(constant, ref, t)[0] == "wrong_output"
