@@ -33,6 +33,8 @@ def _bool(owner: str, key: str, value) -> None:
         raise EngineConfigError(f"{owner}.{key} must be a bool, got {value!r}")
 
 
+SAMPLERS = ("generator", "counter")  # sampling.py
+
 @dataclass
 class EngineConfig:
     """How the engine sizes its pool, schedules, caches prefixes and reacts to weight updates (docs/engine.md)."""
@@ -109,7 +111,7 @@ class EngineConfig:
             _bool(own, key, getattr(self, key))
         if self.compile is not None and not isinstance(self.compile, bool):
             raise EngineConfigError(f"{own}.compile must be a bool or None (None: on CUDA only), got {self.compile!r}")
-        if self.sampler not in ("generator", "counter"):
+        if self.sampler not in SAMPLERS:
             raise EngineConfigError(
                 f"{own}.sampler must be 'generator' or 'counter' (sampling.py), got {self.sampler!r}"
             )

@@ -25,8 +25,6 @@ import torch
 
 from rlk3.engine.config import SamplingParams
 
-SAMPLERS = ("generator", "counter")
-
 # splitmix64 (Steele, Lea & Flood 2014), in int64 arithmetic: multiplication wraps modulo 2^64 and a logical right
 # shift is an arithmetic one masked to the remaining bits
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
