@@ -35,6 +35,7 @@ def _bool(owner: str, key: str, value) -> None:
 
 SAMPLERS = ("generator", "counter")  # sampling.py
 
+
 @dataclass
 class EngineConfig:
     """How the engine sizes its pool, schedules, caches prefixes and reacts to weight updates (docs/engine.md)."""
