@@ -8,6 +8,11 @@ import os
 import sys
 from pathlib import Path
 
+# How long an idle client connection stays open. Longer than any client keeps an idle pooled connection (the e2b
+# SDK: 300 s, E2B_KEEPALIVE_EXPIRY; httpx: 5 s): a server that closes first races a client reusing the connection,
+# whose request then meets a reset (uvicorn's default of 5 s failed about one create/exec/kill cycle in a thousand).
+KEEP_ALIVE_S = 330
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m envs.sandbox", description=__doc__)
@@ -64,6 +69,13 @@ def main(argv: list[str] | None = None) -> int:
         default=os.environ.get("RLK3_SANDBOX_API_KEY"),
         help="require this X-API-KEY on REST calls (default: accept any)",
     )
+    s.add_argument(
+        "--keep-alive",
+        type=float,
+        default=KEEP_ALIVE_S,
+        help="seconds an idle client connection stays open; keep it above the clients' pool idle expiry "
+        "(e2b SDK: 300 s) or their reused connections meet resets",
+    )
     s.add_argument("--log-level", default="info")
     args = ap.parse_args(argv)
 
@@ -96,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         log_level=args.log_level,
         lifespan="on",
         timeout_graceful_shutdown=30,
+        timeout_keep_alive=args.keep_alive,
         limit_concurrency=None,
         http="h11",
     )

@@ -4,11 +4,17 @@ Issue 4, item 5: a server restart keeps paused sandboxes and snapshots, and they
 from __future__ import annotations
 
 import asyncio
+import http.client
+import select
 import socket
+import time
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 from e2b import AsyncSandbox
+
+from envs.sandbox.__main__ import KEEP_ALIVE_S
 
 from .sandboxes import on
 
@@ -255,3 +261,26 @@ async def _vite_app_builds_offline(sbx: AsyncSandbox) -> None:
         timeout=120,
     )
     assert r.stdout.strip() == "18.3.1"
+
+
+def test_idle_connections_outlive_the_clients_pools(server):
+    """The server keeps an idle connection open longer than the e2b SDK keeps one in its pool: had it closed first
+    (uvicorn's default: after 5 s), a client reusing the connection in that instant has its request reset — one
+    create/exec/kill cycle in a thousand failed so. Behaviourally: a connection idle past 5 s still serves."""
+    from e2b.api import pool_idle_timeout
+
+    assert pool_idle_timeout < KEEP_ALIVE_S, (KEEP_ALIVE_S, pool_idle_timeout)
+    url = urlsplit(server.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
+    try:
+        conn.request("GET", "/health")
+        assert conn.getresponse().read() and conn.sock is not None
+        sock = conn.sock
+        time.sleep(6)
+        readable, _, _ = select.select([sock], [], [], 0)
+        assert not readable or sock.recv(1, socket.MSG_PEEK) != b"", "the server closed an idle connection"
+        conn.request("GET", "/health")
+        r = conn.getresponse()
+        assert r.status == 200 and r.read() and conn.sock is sock  # the same connection served it
+    finally:
+        conn.close()
