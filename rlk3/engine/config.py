@@ -57,6 +57,9 @@ class EngineConfig:
     checkpoint_interval: int = 2048  # KDA state checkpoints every this many tokens (a multiple of the block)
     checkpoint_prompt_end: bool = True  # ... and at the last boundary of every prompt / extension (a turn end)
     spill_bytes: int = 0  # evicted prefix blocks may spill to CPU memory up to this many bytes (0 = drop them)
+    # requests whose prompt equals one being prefilled wait for it and continue from a copy of its cache (KDA state,
+    # MLA pages shared): a GRPO group's prompt is computed once, not once per sample (scheduler.py)
+    share_prefill: bool = True
 
     # -- weights and versions
     recompute_on_weight_update: bool = False  # paused/finished requests drop their (old-policy) cache on update
@@ -108,7 +111,8 @@ class EngineConfig:
                 f"(checkpoints sit on block boundaries), got {self.checkpoint_interval}"
             )
         _int(own, "spill_bytes", self.spill_bytes, 0)
-        for key in ("enable_prefix_cache", "checkpoint_prompt_end", "recompute_on_weight_update", "cuda_graphs"):
+        for key in ("enable_prefix_cache", "share_prefill", "checkpoint_prompt_end", "recompute_on_weight_update",
+                    "cuda_graphs"):
             _bool(own, key, getattr(self, key))
         if self.compile is not None and not isinstance(self.compile, bool):
             raise EngineConfigError(f"{own}.compile must be a bool or None (None: on CUDA only), got {self.compile!r}")

@@ -78,6 +78,7 @@ class EngineStats:
     decode_seconds: float  # ... of steps that computed only single tokens
     preemptions: int
     dropped_caches: int  # paused / finished caches given up under memory pressure or by a weight update
+    shared_prefill_tokens: int  # prompt tokens requests did not compute: copied from a leader's (share_prefill)
     num_waiting: int
     num_running: int
     num_paused: int
@@ -408,6 +409,7 @@ class RolloutEngine:
             decode_tokens=self._decode_tokens, generated_tokens=self._generated,
             prefill_seconds=self._prefill_seconds, decode_seconds=self._decode_seconds,
             preemptions=self.scheduler.preemptions, dropped_caches=self.scheduler.dropped_caches,
+            shared_prefill_tokens=self.scheduler.shared_prefill_tokens,
             num_waiting=counts[RequestStatus.WAITING], num_running=counts[RequestStatus.RUNNING],
             num_paused=counts[RequestStatus.PAUSED], num_finished=counts[RequestStatus.FINISHED],
             pool=pool, prefix_cache=prefix,

@@ -63,6 +63,10 @@ class Request:
     num_cached_tokens: int = 0
     cache_version: int = 0  # the weight version its cache was computed under (from num_computed = 0)
     finish_seq: int = 0  # order of finishing: the oldest finished cache is reclaimed first
+    # -- shared prefill (EngineConfig.share_prefill): requests with one prompt compute it once
+    fork_at: int = 0  # as a leader: the position where its followers take a copy of its cache (prompt length - 1)
+    followers: list[Request] = field(default_factory=list, repr=False)  # waiting for this request to reach fork_at
+    leader: Request | None = field(default=None, repr=False)  # as a follower: whose prefill it waits for
 
     @property
     def pending(self) -> int:

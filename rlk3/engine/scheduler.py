@@ -11,6 +11,12 @@ So a 100K-token prompt takes at most its fair share while short requests are wai
 when they are not (budget-based admission: the short ones' first tokens arrive within a bounded number of steps).
 A prefill chunk also ends at the next block boundary that wants a KDA checkpoint, where the state is copied.
 
+Shared prefill (``share_prefill``): a waiting request whose tokens equal those of a request being prefilled (a GRPO
+group's samples of one prompt) is not admitted; it follows that leader, whose prefill stops once at its prompt's last
+token. There each follower takes a copy of the leader's KDA slot, a reference to its full MLA pages and a copy of
+the partial one, and computes the last token itself (its own logits, its own sample). A follower whose leader is
+paused, aborted or overtaken is admitted as usual.
+
 Memory: a request holds a KDA slot (``pages_per_slot`` pages) from admission and MLA pages as its tokens grow.
 When a page is needed and none is free the scheduler reclaims, cheapest first: (1) unused prefix-cache entries
 (LRU), (2) caches of finished requests kept for ``extend``, (3) younger running requests not yet scheduled in this
@@ -40,9 +46,10 @@ class Scheduler:
         self.running: list[Request] = []  # by priority (admission order)
         self._admissions = itertools.count()
         self._finish_order = itertools.count()
+        self.leaders: dict[tuple[int, ...], Request] = {}  # shared prefill: by prompt, requests others may follow
         self.version = 0  # the engine's weight version (blocks computed under older weights are not cached)
         # counters for stats()
-        self.preemptions = self.dropped_caches = 0
+        self.preemptions = self.dropped_caches = self.shared_prefill_tokens = 0
 
     @property
     def block_size(self) -> int:
@@ -186,14 +193,18 @@ class Scheduler:
         return (boundary * self.block_tokens) % self.config.checkpoint_interval == 0 or boundary in req.marks
 
     def _cut(self, req: Request) -> int:
-        """Tokens from ``num_computed`` to the next boundary that wants a KDA checkpoint (a chunk ends there)."""
+        """Tokens from ``num_computed`` to the next boundary that wants a KDA checkpoint, or to the fork point of a
+        leader with followers (a chunk ends there)."""
+        cut = req.pending
+        if req.followers and req.num_computed < req.fork_at:
+            cut = req.fork_at - req.num_computed
         if self.prefix is None or req.cache_version != self.version:
-            return req.pending
+            return cut
         pos, B = req.num_computed, self.block_tokens
         interval = self.config.checkpoint_interval
         nxt = (pos // interval + 1) * interval
         marked = [m * B for m in req.marks if m * B > pos]
-        return min([nxt, *marked]) - pos
+        return min([cut + pos, nxt, *marked]) - pos
 
     def register(self, req: Request) -> None:
         """After a step: hand newly completed blocks to the prefix cache, and a checkpoint at a wanted boundary."""
@@ -212,6 +223,82 @@ class Scheduler:
             keys = self.keys(req, full)
             self.prefix.add_checkpoint(keys[-1], req.slot, protect=set(keys))
 
+    # -- shared prefill
+
+    def _can_lead(self, lead: Request) -> bool:
+        """The leader is still known, in line or prefilling under the current weights, and short of its fork point
+        (it computes nothing past it while it has followers)."""
+        if self.requests.get(lead.request_id) is not lead or lead.num_computed >= lead.fork_at:
+            return False
+        return lead.status == RequestStatus.WAITING or (
+            lead.status == RequestStatus.RUNNING and lead.cache_version == self.version)
+
+    def _follow(self, req: Request) -> bool:
+        """Whether a waiting request waits for a leader (found now or earlier) instead of being admitted."""
+        if req.leader is not None:
+            if self._can_lead(req.leader):
+                return True
+            req.leader = None
+        if not self.leaders or req.num_computed or len(req.tokens) < 2:
+            return False
+        lead = self.leaders.get(tuple(req.tokens))
+        if lead is None or lead is req or not self._can_lead(lead):
+            return False
+        req.leader = lead
+        lead.followers.append(req)
+        return True
+
+    def _lead(self, req: Request) -> None:
+        """An admitted request with a prompt to prefill: later arrivals with the same tokens may follow it."""
+        if self.config.share_prefill and req.pending >= 2:
+            req.fork_at = len(req.tokens) - 1
+            self.leaders[tuple(req.tokens)] = req
+
+    def _fork_followers(self, planned: dict) -> None:
+        """Leaders at their fork point hand their followers a copy of their cache; every other leader that can no
+        longer be followed is forgotten (its followers are admitted as usual)."""
+        for key, lead in list(self.leaders.items()):
+            at_fork = (lead.status == RequestStatus.RUNNING and lead.num_computed == lead.fork_at
+                       and lead.cache_version == self.version)
+            if at_fork:
+                for f in lead.followers:
+                    if f.leader is lead and f.status == RequestStatus.WAITING:
+                        f.leader = None
+                        self._fork(lead, f, planned)
+            if at_fork or not self._can_lead(lead):
+                for f in lead.followers:
+                    if f.leader is lead:
+                        f.leader = None
+                lead.followers = []
+                del self.leaders[key]
+
+    def _fork(self, lead: Request, req: Request, planned: dict) -> bool:
+        """``req`` continues from ``lead``'s cache at ``lead.fork_at``; False (and ``req`` still waiting) when the
+        pool has no room without preempting."""
+        at, pps = lead.fork_at, self.pool.layout.pages_per_slot
+        full, part = divmod(at, self.block_size) if self.pool.layout.mla_layers else (0, 0)
+        need = pps + (1 if part else 0)
+        if not self._reclaim(need, None, planned, allow_preempt=False, allow_paused=not self.running):
+            return False
+        new = self.pool.alloc(need)
+        if new is None:
+            return False
+        slot, own = new[:pps], new[pps:]
+        self.pool.copy(lead.slot, slot)
+        if own:  # the page the leader goes on writing: this request's copy of its first entries
+            self.pool.copy([lead.pages[full]], own)
+        shared = lead.pages[:full]
+        self.pool.incref(shared)
+        req.slot, req.pages = slot, shared + own
+        req.num_computed = req.num_cached_tokens = at
+        req.num_registered = lead.num_registered  # those blocks are in the prefix cache already (the same pages)
+        req.cache_version = self.version
+        req.priority = next(self._admissions)
+        self.shared_prefill_tokens += at
+        self.waiting.remove(req)
+        self.add_running(req)
+        return True
+
     # -- the step plan
 
     def schedule(self) -> list[tuple[Request, int]]:
@@ -219,6 +306,8 @@ class Scheduler:
         cfg = self.config
         budget = cfg.max_tokens_per_step
         plan: dict[Request, int] = {}
+        if self.leaders:
+            self._fork_followers(plan)
 
         # 1. decode: one token each, oldest first
         for req in list(self.running):
@@ -241,14 +330,22 @@ class Scheduler:
             if n:
                 plan[req] = n
                 budget -= n
-        while self.waiting and budget and len(plan) < cfg.max_num_seqs:
-            req = self.waiting[0]
+        for req in list(self.waiting):
+            if self._follow(req):
+                continue  # computes nothing until its leader's prefill reaches the fork point
+            if not budget or len(plan) >= cfg.max_num_seqs:
+                break
             if not self.admit(req, plan):
                 break  # FIFO: later arrivals do not overtake a request that is waiting for memory
+            self._lead(req)
             n = self._grow(req, min(req.pending, cfg.prefill_chunk, budget, self._cut(req)), plan)
             if n:
                 plan[req] = n
                 budget -= n
+
+        for req in plan:  # a leader that found followers in this step stops at their fork point
+            if req.followers:
+                plan[req] = min(plan[req], req.fork_at - req.num_computed)
 
         # 3. prefill, leftover budget in order
         for req, n in list(plan.items()):

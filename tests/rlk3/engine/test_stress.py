@@ -1,7 +1,7 @@
 """Acceptance item 5: a randomized stress of 500 requests (adds, aborts, pauses, resumes, extends, releases, a few
-release/reacquire cycles) on a pool small enough to force waiting, preemption and eviction. The pool never exceeds
-its budget, its bookkeeping is consistent after every step, greedy outputs stay exact, and at the end every page
-is free again."""
+release/reacquire cycles; some prompts several times, so that followers share a leader's prefill) on a pool small
+enough to force waiting, preemption and eviction. The pool never exceeds its budget, its bookkeeping is consistent
+after every step, greedy outputs stay exact, and at the end every page is free again."""
 
 import random
 
@@ -26,6 +26,7 @@ def test_randomized_stress_of_500_requests(tiny):
     added, extended, released = 0, 0, 0
     greedy = set()
     checked = 0
+    recent = []
 
     def check(res):
         nonlocal checked
@@ -37,6 +38,9 @@ def test_randomized_stress_of_500_requests(tiny):
         if added < 500 and rng.random() < 0.6:
             for _ in range(rng.randint(1, 3)):
                 p = rng.choice(systems) + prompt(rng.randint(1, 20), seed=1000 + added)
+                if recent and rng.random() < 0.3:  # another sample of a recent prompt: shared prefill
+                    p = rng.choice(recent)
+                recent = [*recent, p][-4:]
                 is_greedy = rng.random() < 0.5
                 sp = SamplingParams(max_tokens=rng.randint(1, 12), temperature=0.0 if is_greedy else 1.0,
                                     top_p=rng.choice([1.0, 0.9]), seed=rng.choice([None, added]))
@@ -88,6 +92,7 @@ def test_randomized_stress_of_500_requests(tiny):
     stats = engine.stats()
     assert stats.preemptions > 0, "the pool must have been small enough to force preemption"
     assert stats.prefix_cache.hits > 0 and stats.prefix_cache.evictions > 0
+    assert stats.shared_prefill_tokens > 0
     assert extended > 50 and released > 100 and checked > 100
     assert stats.pool.request_pages == 0
     engine.clear_prefix_cache()
