@@ -100,7 +100,9 @@ class RolloutConfig:
     max_new_tokens: int = 256  # per assistant turn
     max_total_tokens: int = 2048
     snapshot_turns: bool = True  # snapshot each sandbox after every turn (environment recovery)
-    sampler: str = "generator"  # generator | counter: the rollout engine's sampler (rlk3/engine/sampling.py)
+    # generator | counter | null: the rollout engine's sampler (rlk3/engine/sampling.py); null = counter on CUDA,
+    # generator on CPU (set it to keep one sampler when a run moves between devices)
+    sampler: str | None = None
     efforts: list[str] = field(default_factory=lambda: ["low", "medium", "high"])  # MOPD's prompt mix
 
 
@@ -426,7 +428,7 @@ def validate(cfg: Config) -> None:
     _range("rollout.groups_per_iteration", r.groups_per_iteration, 1)
     _range("rollout.max_staleness", r.max_staleness, 0)
     _in("rollout.top_up", r.top_up, TOP_UP_MODES)
-    _in("rollout.sampler", r.sampler, SAMPLERS)
+    _in("rollout.sampler", r.sampler, (*SAMPLERS, None))
     _range("rollout.temperature", r.temperature, 0, lo_open=True)
     _range("rollout.top_p", r.top_p, 0, 1, lo_open=True)
     _range("rollout.max_new_tokens", r.max_new_tokens, 1)

@@ -128,7 +128,8 @@ class RolloutEngine:
         self.requests: dict[str, Request] = {}
         self.scheduler = Scheduler(config, self.pool, self.prefix, self.requests)
         compile = config.compile if config.compile is not None else self.device.type == "cuda"
-        self.counter_sampling = config.sampler == "counter"
+        sampler = config.sampler or ("counter" if self.device.type == "cuda" else "generator")
+        self.counter_sampling = sampler == "counter"
         self.runner = ModelRunner(model, self.layout, config.backend, compile=compile)
         self.version = 0
         self.released = False

@@ -35,7 +35,7 @@ def test_composes_defaults_file_and_overrides(tmp_path):
         ("defaults: [stage/rl]\n", ["rollout.top_up=prompts"],
          r"rollout.top_up must be one of \['groups', 'trajectories'\], got 'prompts'"),
         ("defaults: [stage/rl]\n", ["rollout.sampler=gumbel"],
-         r"rollout.sampler must be one of \['generator', 'counter'\], got 'gumbel'"),
+         r"rollout.sampler must be one of \['generator', 'counter', None\], got 'gumbel'"),
         ("defaults: [stage/rl]\n", ["train.estimator=ppo"], r"train.estimator must be one of \['grpo', 'rloo'"),
         ("defaults: [stage/rl]\n", ["tasks.domains=[math]"], r"tasks.domains\[0\] must be one of \['general'"),
         ("defaults: [stage/rl]\n", ["model.preset=k3-huge"], r"model.preset must be one of \['k3-full', 'k3-small'"),
@@ -92,10 +92,10 @@ def test_teacher_overrides_apply_domain_then_teacher(tmp_path):
     assert teacher_changes(cfg, "coding", "low") == {}
 
 
-@pytest.mark.parametrize("sampler", ["generator", "counter"])
+@pytest.mark.parametrize("sampler", ["generator", "counter", None])
 def test_rollout_sampler_reaches_the_rollout_engine(tmp_path, sampler):
     from rlk3.cluster.workers import engine_config
 
-    cfg = load_config(write(tmp_path, "defaults: [stage/rl]\n"), [f"rollout.sampler={sampler}"])
+    cfg = load_config(write(tmp_path, "defaults: [stage/rl]\n"), [f"rollout.sampler={sampler or 'null'}"])
     engine = engine_config(cfg)
     assert engine.sampler == sampler and engine.max_model_len == cfg.rollout.max_total_tokens

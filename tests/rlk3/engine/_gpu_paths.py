@@ -41,7 +41,7 @@ def forced_tokens(streams):
     sees only the requests' SamplingParams)."""
     fed = [0] * len(streams)
 
-    def sample(logits, params, generators):
+    def sample(logits, params, generators, keys=None):
         tokens = []
         for p in params:
             tokens.append(streams[p.seed][fed[p.seed]])

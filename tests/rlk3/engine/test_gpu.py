@@ -150,3 +150,5 @@ def test_counter_sampler_draws_the_same_noise_on_cuda_as_on_cpu():
     any device, so a seeded request draws the same tokens wherever its logits agree."""
     keys = torch.tensor([[0, 0], [5, 100], [2**62, 7], [123456789, 2**40], [2**63 - 1, 1]])
     assert torch.equal(counter_uniform(keys, 4096), counter_uniform(keys.cuda(), 4096).cpu())
+    model = K3ForCausalLM(K3Config()).cuda().eval()
+    assert RolloutEngine(model, EngineConfig(memory_bytes=2**24)).counter_sampling  # the default on CUDA

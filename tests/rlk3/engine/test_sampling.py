@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from rlk3.engine import EngineConfig, EngineConfigError, SamplingParams
+from rlk3.engine import EngineConfig, EngineConfigError, RolloutEngine, SamplingParams
 from rlk3.engine.sampling import _restrict, counter_uniform, restrict, sample
 
 
@@ -84,6 +84,8 @@ def test_seed_and_position_decide_the_draw_whatever_the_batch():
     assert sum(x == y for x, y in zip(a, b)) < 150
 
 
-def test_sampler_is_validated():
-    with pytest.raises(EngineConfigError, match=r"sampler must be 'generator' or 'counter' \(sampling.py\), got 'gumb"):
+def test_sampler_is_validated_and_defaults_to_the_generator_on_cpu(tiny):
+    with pytest.raises(EngineConfigError, match=r"sampler must be 'generator', 'counter' or None \(counter on CUDA"):
         EngineConfig(sampler="gumbel")
+    assert not RolloutEngine(tiny, EngineConfig(memory_bytes=2**22)).counter_sampling
+    assert RolloutEngine(tiny, EngineConfig(memory_bytes=2**22, sampler="counter")).counter_sampling
