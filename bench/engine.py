@@ -3,6 +3,11 @@ run, and multi-turn prefill with and without the prefix cache.
 
     python bench/engine.py                       # CPU: k3-tiny, batch 32 x 128 new tokens; 10 turns of +2K tokens
     python bench/engine.py --device cuda         # GPU: k3-small bf16, batch 1 / 32 / 128, roofline; multi-turn
+    python bench/engine.py --skip decode --skip multi-turn   # only the RL-groups section
+
+RL groups: a rollout batch as GRPO makes it — G prompts x n samples each, sampled at temperature 1 — with shared
+prefill off and the generator sampler (the engine's defaults before them), shared prefill on, and both (the defaults
+now on CUDA); the ratio is against the first, in the same run.
 
 Prints a table and writes bench/results/engine[-cuda].json. Timings include prefill, sampling and scheduling
 (tokens/s = new tokens / seconds); each number is the best of ``--reps`` runs. Wall-clock and process CPU time are
@@ -97,6 +102,40 @@ def decode_throughput(model, device, batch_sizes, prompt_len, new_tokens, reps, 
             row.update(roofline(model, engine, bs, context, device))
             row["fraction_of_roofline"] = row["engine_tok_s"] / row["roofline_tok_s"]
         rows.append(row)
+    return rows
+
+
+def rl_groups(model, device, groups: int, samples: int, prompt_len: int, new_tokens: int, reps: int,
+              cfg: EngineConfig) -> list[dict]:
+    """A GRPO-shaped rollout batch: ``groups`` prompts x ``samples`` seeded samples, temperature 1, each engine
+    variant on the same requests; best of ``reps`` wall times."""
+    vocab = model.config.vocab_size
+    batch = [p for p in prompts(groups, prompt_len, vocab, 5) for _ in range(samples)]
+    params = [SamplingParams(max_tokens=new_tokens, temperature=1.0, seed=i) for i in range(len(batch))]
+    variants = [("unshared, generator", False, "generator"), ("shared prefill, generator", True, "generator"),
+                ("shared prefill, counter", True, "counter")]
+    rows = []
+    for name, share, sampler in variants:
+        engine = RolloutEngine(model, EngineConfig(**{**cfg.__dict__, "share_prefill": share, "sampler": sampler}))
+        engine.generate(batch[:2], params[:2])  # warm-up (CUDA graphs, Triton)
+        best, stats = float("inf"), None
+        for _ in range(reps):
+            engine.clear_prefix_cache()  # each rep computes its prompts
+            before = engine.stats()
+            sync(device)
+            t = time.perf_counter()
+            engine.generate(batch, params)
+            sync(device)
+            dt, after = time.perf_counter() - t, engine.stats()
+            if dt < best:
+                best = dt
+                stats = dict(prefill_tokens=after.prefill_tokens - before.prefill_tokens,
+                             shared_prefill_tokens=after.shared_prefill_tokens - before.shared_prefill_tokens)
+        rows.append(dict(variant=name, seconds=best, tok_s=len(batch) * new_tokens / best, **stats))
+        del engine
+        gc.collect()
+    for r in rows:
+        r["speedup"] = rows[0]["seconds"] / r["seconds"]
     return rows
 
 
@@ -208,7 +247,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--turn-tokens", type=int, default=2048)
-    ap.add_argument("--skip", choices=["decode", "multi-turn"], action="append", default=[])
+    ap.add_argument("--skip", choices=["decode", "multi-turn", "rl-groups"], action="append", default=[])
     ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                     help="EngineConfig.compile: auto = on CUDA only")
     ap.add_argument("--step-tokens", type=int, default=None,
@@ -264,6 +303,17 @@ def main() -> None:
             print(f"| {name} | {m['prefill_tokens']} | {m['prefill_seconds']:.2f} | {m['cpu_seconds']:.2f} |")
         print(f"prefix cache: {mt['token_ratio']:.2f}x fewer prefill tokens, {mt['time_ratio']:.2f}x less prefill "
               f"time, {mt['cpu_time_ratio']:.2f}x less CPU time")
+
+    if "rl-groups" not in args.skip:
+        g, n, plen, new = (32, 8, 1024, 128) if cuda else (8, 8, 256, 32)
+        rows = rl_groups(model, device, g, n, plen, new, args.reps, cfg)
+        result["rl_groups"] = dict(groups=g, samples=n, prompt_len=plen, new_tokens=new, rows=rows)
+        print(f"\nRL groups: {g} prompts of {plen} tokens x {n} samples, {new} new tokens each, temperature 1")
+        print("| variant | seconds | tok/s | prefill tokens | shared prefill tokens | speedup |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for r in rows:
+            print(f"| {r['variant']} | {r['seconds']:.3f} | {r['tok_s']:.0f} | {r['prefill_tokens']} "
+                  f"| {r['shared_prefill_tokens']} | {r['speedup']:.2f}x |")
 
     out = args.out or ROOT / "bench" / "results" / f"engine{'-cuda' if cuda else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

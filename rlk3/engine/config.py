@@ -70,7 +70,7 @@ class EngineConfig:
     # torch.compile the per-token blocks between attention kernels (runner.py); None (the default): on CUDA only,
     # where it halves a decode step (docs/BENCHMARKS.md); on CPU it gains nothing and costs compile time
     compile: bool | None = None
-    cuda_graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128])
+    cuda_graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256])
     seed: int = 0  # seeds the generators of requests that bring no seed of their own
     # how sampled rows draw (sampling.py): "generator" (a torch.Generator per request, row by row) or "counter"
     # (hashed (seed, position) noise, every row in one batched draw: ~65-95 operators per step whatever the batch,
