@@ -5,7 +5,7 @@ docs/rl.md ("Does RL raise the held-out pass rate?") says what the SFT policy ge
 (the demonstrator's habit of docs/sft.md) and what RL gains from a checkpoint without it (5-7 points).
 
 Slow: the two runs go side by side, one process and one local Ray instance each (each iteration alternates rollout
-and training, so each needs about one core): ~17 minutes on two cores, plus three held-out evaluations (600 tasks,
+and training, so each needs about one core): ~12 minutes on two cores, plus three held-out evaluations (600 tasks,
 ~20 s each)."""
 
 from __future__ import annotations
