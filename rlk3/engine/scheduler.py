@@ -272,17 +272,17 @@ class Scheduler:
                 lead.followers = []
                 del self.leaders[key]
 
-    def _fork(self, lead: Request, req: Request, planned: dict) -> bool:
-        """``req`` continues from ``lead``'s cache at ``lead.fork_at``; False (and ``req`` still waiting) when the
-        pool has no room without preempting."""
+    def _fork(self, lead: Request, req: Request, planned: dict) -> None:
+        """``req`` continues from ``lead``'s cache at ``lead.fork_at``; it stays waiting (to be admitted as usual)
+        when the pool has no room without preempting."""
         at, pps = lead.fork_at, self.pool.layout.pages_per_slot
         full, part = divmod(at, self.block_size) if self.pool.layout.mla_layers else (0, 0)
         need = pps + (1 if part else 0)
         if not self._reclaim(need, None, planned, allow_preempt=False, allow_paused=not self.running):
-            return False
+            return
         new = self.pool.alloc(need)
         if new is None:
-            return False
+            return
         slot, own = new[:pps], new[pps:]
         self.pool.copy(lead.slot, slot)
         if own:  # the page the leader goes on writing: this request's copy of its first entries
@@ -297,7 +297,6 @@ class Scheduler:
         self.shared_prefill_tokens += at
         self.waiting.remove(req)
         self.add_running(req)
-        return True
 
     # -- the step plan
 
