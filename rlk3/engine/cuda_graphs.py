@@ -44,6 +44,9 @@ class DecodeGraphs:
         self.write_pages = torch.full((n,), scratch[-1], **long)
         self.write_offsets = torch.zeros(n, **long)
         self.rows = torch.arange(n, **long)
+        # rows [0, dirty_rows) and table columns [0, dirty_cols) may hold a real sequence's pages from an earlier
+        # load; everything past them is the scratch slot and page already, so a load resets only what it must
+        self.dirty_rows = self.dirty_cols = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.batches: dict[int, ForwardBatch] = {}  # the captured inputs (kept alive with their graph)
@@ -83,6 +86,8 @@ class DecodeGraphs:
         self.seq_lens[start:stop] = 1
         self.write_pages[start:stop] = self.scratch[-1]
         self.write_offsets[start:stop] = 0
+        if stop >= self.dirty_rows:
+            self.dirty_rows = min(self.dirty_rows, start)
 
     def _capture(self, size: int) -> None:
         self._reset_rows(0, max(self.sizes))  # warm-up and capture touch only the scratch slot and page
@@ -105,15 +110,17 @@ class DecodeGraphs:
     def load(self, batch: ForwardBatch, size: int) -> None:
         """Copy a decode batch of ``n <= size`` rows into the static inputs the graph of ``size`` reads; rows past
         ``n`` are reset to the scratch slot."""
-        n = batch.num_decode
+        n, width = batch.num_decode, batch.block_tables.shape[1]
         self.input_ids[:n] = batch.input_ids
         self.slot_pages[:n] = batch.slot_pages
-        self.block_tables[:n, : batch.block_tables.shape[1]] = batch.block_tables
-        self.block_tables[:n, batch.block_tables.shape[1] :] = self.scratch[-1]
+        self.block_tables[:n, :width] = batch.block_tables
+        if self.dirty_cols > width:
+            self.block_tables[:n, width : self.dirty_cols] = self.scratch[-1]
         self.seq_lens[:n] = batch.seq_lens
         self.write_pages[:n] = batch.write_pages
         self.write_offsets[:n] = batch.write_offsets
-        self._reset_rows(n, size)
+        self._reset_rows(n, self.dirty_rows)
+        self.dirty_rows, self.dirty_cols = n, width
 
     def run(self, batch: ForwardBatch) -> torch.Tensor | None:
         """Logits of a decode-only batch by graph replay, or None when no captured size fits (run it eagerly)."""

@@ -18,16 +18,17 @@ from rlk3.engine.config import EngineConfig, EngineConfigError, SamplingParams
 from rlk3.engine.pool import PagedPool, PoolLayout, budget_bytes
 from rlk3.engine.prefix_cache import PrefixCache
 from rlk3.engine.request import FinishReason, GenerationResult, Request, RequestStatus
-from rlk3.engine.runner import ForwardBatch, ModelRunner
+from rlk3.engine.runner import ForwardBatch, ModelRunner, PackedPrefill
 from rlk3.engine.sampling import sample
 from rlk3.engine.scheduler import Scheduler
 
-# Multi-token sequences share one masked MLA attention while (new tokens) x (their cached + new tokens) stays under
-# this many mask entries: that saves per-sequence overhead for short chunks, but the packed attention also computes
-# every cross-sequence score, so longer prefills attend one sequence at a time. On CUDA the per-sequence overhead is
-# the cost (each sequence's attention is ~15 launches of ~35 us host time per MLA layer, a 2,048-token step of 32
-# prompts took ~100 ms for ~15 ms of GPU work) and the cross-sequence scores are nearly free, so the bound is the
-# mask's memory: 16M entries (a 4,096-token step; SDPA expands the mask to a float bias, 64 MiB).
+# Consecutive multi-token sequences share one masked MLA attention while (new tokens) x (their cached + new tokens)
+# stays under this many mask entries (a larger step attends in several such runs): that saves per-sequence overhead
+# for short chunks, but the packed attention also computes every cross-sequence score, so longer prefills attend one
+# sequence at a time. On CUDA the per-sequence overhead is the cost (each sequence's attention is ~15 launches of
+# ~35 us host time per MLA layer, a 2,048-token step of 32 prompts took ~100 ms for ~15 ms of GPU work) and the
+# cross-sequence scores are nearly free, so the bound is the mask's memory: 16M entries (a 4,096-token run; SDPA
+# expands the mask to a float bias, 64 MiB).
 PACKED_PREFILL_MAX = {"cpu": 1 << 16, "cuda": 1 << 24}
 
 
@@ -136,6 +137,7 @@ class RolloutEngine:
         self._arrivals = itertools.count()
         self._ids = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed)
+        self._decode_index_cache: dict[int, tuple[torch.Tensor, ...]] = {}
         self._graphs = None  # CUDA graphs of the decode step, captured on first use (cuda_graphs.py)
         self._steps = self._prefill_tokens = self._decode_tokens = self._generated = 0
         self._prefill_seconds = self._decode_seconds = 0.0
@@ -526,6 +528,8 @@ class RolloutEngine:
 
     def _batch(self, plan: list[tuple[Request, int]]) -> ForwardBatch:
         """The runner's view of a step (see ``ForwardBatch``): packed tokens, pages, and the gather indices."""
+        if plan[-1][1] == 1:  # single-token sequences come first: this step is all decode
+            return self._decode_batch([req for req, _ in plan])
         bs, W, N = self.layout.block_size, self.layout.conv_width, len(plan)
         has_mla = bool(self.layout.mla_layers)
         ids, write_pages, write_offsets, logit_rows, conv_src, conv_new = [], [], [], [], [], []
@@ -564,23 +568,90 @@ class RolloutEngine:
             block_tables=t(tables), seq_lens=t(seq_lens), write_pages=t(write_pages), write_offsets=t(write_offsets),
             logit_rows=t(logit_rows), conv_src=t(conv_src).reshape(-1, W + 1), conv_new=t(conv_new).reshape(N, W),
         )
-        total_q, total_k = sum(lens), sum(a + n for a, n in zip(starts, lens))
+        if has_mla and len(multi) > 1:
+            batch.packed = self._packed_groups(multi, starts, lens)
+        return batch
+
+    def _packed_groups(self, multi: list[Request], starts: list[int], lens: list[int]) -> list[PackedPrefill]:
+        """Runs of consecutive multi-token sequences whose masked attention stays under ``PACKED_PREFILL_MAX``
+        entries (new tokens x their cached + new tokens), each run attended in one call; a sequence left alone in
+        its run attends by itself (the runner's per-sequence path)."""
+        dev, bs = self.device, self.layout.block_size
         packed_max = PACKED_PREFILL_MAX["cuda" if dev.type == "cuda" else "cpu"]
-        if has_mla and len(multi) > 1 and total_q * total_k <= packed_max:
+        runs, run, q, k = [], [], 0, 0
+        for j, (a, n) in enumerate(zip(starts, lens)):
+            if run and (q + n) * (k + a + n) > packed_max:
+                runs.append(run)
+                run, q, k = [], 0, 0
+            run.append(j)
+            q, k = q + n, k + a + n
+        runs.append(run)
+        groups = []
+        for run in runs:
+            q = sum(lens[j] for j in run)
+            k = sum(starts[j] + lens[j] for j in run)
+            if len(run) < 2 or q * k > packed_max:
+                continue
             q_seg, q_pos, k_seg, k_pos, pages = [], [], [], [], []
-            for j, (req, a, n) in enumerate(zip(multi, starts, lens)):
+            for j in run:
+                a, n = starts[j], lens[j]
                 positions = torch.arange(a + n)
                 q_seg.append(torch.full((n,), j))
                 q_pos.append(positions[a:])
                 k_seg.append(torch.full((a + n,), j))
                 k_pos.append(positions)
-                pages.append(torch.tensor(req.pages)[positions // bs])
+                pages.append(torch.tensor(multi[j].pages)[positions // bs])
             # the mask is built where it is used: the vectors are O(tokens), the mask O(tokens²)
             q_seg, q_pos, k_seg, k_pos = (torch.cat(x).to(dev) for x in (q_seg, q_pos, k_seg, k_pos))
-            batch.ctx_mask = (q_seg[:, None] == k_seg[None, :]) & (k_pos[None, :] <= q_pos[:, None])
-            batch.ctx_pages = torch.cat(pages).to(dev)
-            batch.ctx_offsets = k_pos % bs
-        return batch
+            mask = (q_seg[:, None] == k_seg[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+            groups.append(PackedPrefill(run[0], run[-1] + 1, torch.cat(pages).to(dev), k_pos % bs, mask))
+        return groups
+
+    def _decode_batch(self, reqs: list[Request]) -> ForwardBatch:
+        """``_batch`` for a step of one token per sequence, the common case, in a few list passes and one host-to-
+        device copy: at batch 128 the general builder's per-token index lists cost more host time than the GPU
+        spends on the step. The conv gather indices depend only on the batch size (``_decode_indices``)."""
+        bs, N, dev = self.layout.block_size, len(reqs), self.device
+        pos = [r.num_computed for r in reqs]
+        cols = [self.layout.pages_per_slot, 1, 1, 1, 1]  # slot pages, token, sequence length, write page, offset
+        flat = [page for r in reqs for page in r.slot] if self.layout.pages_per_slot else []
+        flat += [r.tokens[p] for r, p in zip(reqs, pos)]
+        flat += [p + 1 for p in pos]
+        if self.layout.mla_layers:
+            used = [p // bs + 1 for p in pos]
+            width = max(used)
+            flat += [r.pages[u - 1] for r, u in zip(reqs, used)]
+            flat += [p % bs for p in pos]
+            for r, u in zip(reqs, used):
+                flat += r.pages[:u]
+                flat += [0] * (width - u)
+        else:
+            width = 1
+            flat += [0] * (3 * N)
+        cols.append(width)
+        buf = torch.tensor(flat, dtype=torch.long)
+        if dev.type != "cpu":
+            buf = buf.pin_memory().to(dev, non_blocking=True)
+        slots, ids, seq_lens, write_pages, write_offsets, tables = buf.split([c * N for c in cols])
+        rows, conv_src, conv_new = self._decode_indices(N)
+        return ForwardBatch(
+            input_ids=ids, num_decode=N, prefill_starts=[], prefill_lens=[], slot_pages=slots.view(N, cols[0]),
+            block_tables=tables.view(N, width), seq_lens=seq_lens, write_pages=write_pages, write_offsets=write_offsets,
+            logit_rows=rows, conv_src=conv_src, conv_new=conv_new,
+        )
+
+    def _decode_indices(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Logit rows and the short conv's gather indices of an all-decode batch of ``n`` (cached per size): token
+        t's taps read its sequence's kernel − 1 cached rows, then its own new row."""
+        hit = self._decode_index_cache.get(n)
+        if hit is None:
+            W, dev = self.layout.conv_width, self.device
+            t = torch.arange(n, device=dev)[:, None]
+            cache_rows = t * W + torch.arange(W, device=dev)[None, :]
+            hit = (torch.arange(n, device=dev), torch.cat([cache_rows, n * W + t], dim=1),
+                   torch.cat([cache_rows[:, 1:], n * W + t], dim=1))
+            self._decode_index_cache[n] = hit
+        return hit
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         graphs_ok = self.device.type == "cuda" and self.config.cuda_graphs and self.config.backend == "auto"

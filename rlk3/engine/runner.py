@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,18 @@ from rlk3.model.ops.mla import mla_attention, paged_mla_decode, split_kv_b
 # busiest one's count costs more than the loop saves; on CUDA the loop's ~8 launches per expert per layer (and its
 # host synchronisations) are most of a prefill step's host time, so batching applies at any size there.
 SMALL_MOE_MAX_TOKENS = 256
+
+
+@dataclass
+class PackedPrefill:
+    """Multi-token sequences ``first .. last - 1`` (indices into ``prefill_lens``) in one masked MLA attention: their
+    cached + new tokens gathered end to end, and which of those each new token may attend to."""
+
+    first: int
+    last: int
+    pages: torch.Tensor  # [ΣS] page of each gathered token
+    offsets: torch.Tensor  # [ΣS] its position in the page
+    mask: torch.Tensor  # [Σ new tokens, ΣS] bool
 
 
 @dataclass
@@ -59,11 +71,10 @@ class ForwardBatch:
     # sequence n's cache
     conv_src: torch.Tensor | None = None  # [T, kernel]
     conv_new: torch.Tensor | None = None  # [N, kernel − 1]
-    # MLA over all multi-token sequences at once when small enough: their cached + new tokens gathered end to end,
-    # and which of those each new token may attend to (None: attend per sequence instead)
-    ctx_pages: torch.Tensor | None = None  # [ΣS]
-    ctx_offsets: torch.Tensor | None = None  # [ΣS]
-    ctx_mask: torch.Tensor | None = None  # [Σ new tokens of multi-token sequences, ΣS] bool
+    # MLA over runs of consecutive multi-token sequences at once (the others attend one at a time)
+    packed: list[PackedPrefill] = field(default_factory=list)
+    # the multi-token sequences' offsets (cu_seqlens) on the device and on the host, set by ``ModelRunner.forward``
+    prefill_offsets: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 # Under ``compile``, a MoE layer computes every expert for every token (``dense_experts``: static shapes, no host
@@ -159,6 +170,9 @@ class ModelRunner:
     def forward(self, pool: PagedPool, batch: ForwardBatch) -> torch.Tensor:
         """Runs the model over the batch, updating the pool; returns logits ``[len(logit_rows), vocab]``."""
         core = self.model.model
+        if batch.prefill_lens:  # once per step, for every KDA layer: the host copy spares FLA a device read each
+            cu = torch.tensor([0, *itertools.accumulate(batch.prefill_lens)])
+            batch.prefill_offsets = (cu.to(batch.input_ids.device), cu)
         x = core.embed_tokens(batch.input_ids)[None]  # [1, T, hidden]
         if self.config.attn_res_block_size > 0:
             stream = AttnResStream(x, self.config.attn_res_block_size)
@@ -225,10 +239,11 @@ class ModelRunner:
             outs.append(o[:, 0])
         if b.prefill_lens:
             sel = pages[nd:]
-            cu = torch.tensor([0, *itertools.accumulate(b.prefill_lens)], device=h.device)
+            cu, cu_cpu = b.prefill_offsets
             o, final = chunk_kda(
                 q[None, nd:], k[None, nd:], v[None, nd:], g[None, nd:], beta[None, nd:], initial_state=states[sel],
-                output_final_state=True, cu_seqlens=cu, safe_gate=attn.bounded, chunk_size=attn.chunk_size, **kwargs,
+                output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, safe_gate=attn.bounded,
+                chunk_size=attn.chunk_size, **kwargs,
             )
             states[sel] = final
             outs.append(o[0])
@@ -262,31 +277,34 @@ class ModelRunner:
                     w_uk, w_uv, attn.scale, backend=self.backend,
                 )
             )
-        if b.ctx_mask is not None:  # every multi-token sequence in one masked attention
-            lat = latent_pages[b.ctx_pages, b.ctx_offsets][None].to(h.dtype)
-            rope = rope_pages[b.ctx_pages, b.ctx_offsets][None].to(h.dtype)
-            qn, qr = q_nope[None, nd:], q_rope[None, nd:]
-            o = prefill_attention(qn, qr, lat, rope, w_uk, w_uv, attn.scale, b.ctx_mask[None])
-            outs.append(o[0])
-        else:
-            offset = nd
-            bs = self.layout.block_size
-            for j, (start, n) in enumerate(zip(b.prefill_starts, b.prefill_lens)):
-                S = start + n
-                table = b.block_tables[nd + j, : math.ceil(S / bs)]
-                lat = latent_pages[table].reshape(-1, latent.shape[-1])[:S][None].to(h.dtype)
-                rope = rope_pages[table].reshape(-1, k_rope.shape[-1])[:S][None].to(h.dtype)
+        packed = {group.first: group for group in b.packed}
+        offset, bs, j = nd, self.layout.block_size, 0
+        while j < len(b.prefill_lens):
+            group = packed.get(j)
+            if group is not None:  # a run of sequences in one masked attention
+                n = sum(b.prefill_lens[group.first : group.last])
+                lat = latent_pages[group.pages, group.offsets][None].to(h.dtype)
+                rope = rope_pages[group.pages, group.offsets][None].to(h.dtype)
                 qn, qr = q_nope[None, offset : offset + n], q_rope[None, offset : offset + n]
-                if start == 0:  # a fresh prefill: plain causal attention, the same call the model makes
-                    o = prefill_attention(qn, qr, lat, rope, w_uk, w_uv, attn.scale, causal=True)
-                elif n <= ABSORB_MAX_QUERY_LEN:  # a short extension: the absorbed form, as the model does
-                    q_pos = torch.arange(start, S, device=h.device)
-                    mask = (torch.arange(S, device=h.device)[None, :] <= q_pos[:, None])[None]
-                    o = mla_attention(qn, qr, lat, rope, w_uk, w_uv, attn.scale, mask, absorbed=True)
-                else:  # a long extension of a cached prefix (the next turn of an episode)
-                    o = prefill_attention(qn, qr, lat, rope, w_uk, w_uv, attn.scale, prefix=start)
-                outs.append(o[0])
-                offset += n
+                outs.append(prefill_attention(qn, qr, lat, rope, w_uk, w_uv, attn.scale, group.mask[None])[0])
+                offset, j = offset + n, group.last
+                continue
+            start, n = b.prefill_starts[j], b.prefill_lens[j]
+            S = start + n
+            table = b.block_tables[nd + j, : math.ceil(S / bs)]
+            lat = latent_pages[table].reshape(-1, latent.shape[-1])[:S][None].to(h.dtype)
+            rope = rope_pages[table].reshape(-1, k_rope.shape[-1])[:S][None].to(h.dtype)
+            qn, qr = q_nope[None, offset : offset + n], q_rope[None, offset : offset + n]
+            if start == 0:  # a fresh prefill: plain causal attention, the same call the model makes
+                o = prefill_attention(qn, qr, lat, rope, w_uk, w_uv, attn.scale, causal=True)
+            elif n <= ABSORB_MAX_QUERY_LEN:  # a short extension: the absorbed form, as the model does
+                q_pos = torch.arange(start, S, device=h.device)
+                mask = (torch.arange(S, device=h.device)[None, :] <= q_pos[:, None])[None]
+                o = mla_attention(qn, qr, lat, rope, w_uk, w_uv, attn.scale, mask, absorbed=True)
+            else:  # a long extension of a cached prefix (the next turn of an episode)
+                o = prefill_attention(qn, qr, lat, rope, w_uk, w_uv, attn.scale, prefix=start)
+            outs.append(o[0])
+            offset, j = offset + n, j + 1
         o = torch.cat(outs) if len(outs) > 1 else outs[0]  # [T, H, v]
         return self._mla_output(attn, o, gate[0] if gate else None)
 

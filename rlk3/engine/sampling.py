@@ -89,8 +89,11 @@ def sample(
     """logits ``[n, V]`` (any float dtype) → (token per row, its logprob per row). ``keys`` ``[n, 2]`` (seed,
     position) selects the counter sampler; None the per-request generators."""
     logits = logits.float()
-    temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=logits.device)
-    logp = torch.log_softmax(logits / temps[:, None], dim=-1)
+    temps = [p.temperature if not p.greedy else 1.0 for p in params]
+    if any(t != 1.0 for t in temps):  # (x / 1.0 is x: an all-greedy or T = 1 batch skips the copy and the divide)
+        logp = torch.log_softmax(logits / torch.tensor(temps, device=logits.device)[:, None], dim=-1)
+    else:
+        logp = torch.log_softmax(logits, dim=-1)
     tokens = logits.argmax(dim=-1)  # greedy rows keep these
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     if drawn and keys is not None:
@@ -108,4 +111,6 @@ def sample(
             probs = _restrict(logp[i], p.top_k, p.top_p)
             tokens[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
     chosen = logp.gather(1, tokens[:, None])[:, 0]
-    return tokens.tolist(), chosen.tolist()
+    # one device-to-host copy (each waits for the GPU); float64 holds every token id and float32 log-prob exactly
+    drawn_tokens, logprobs = torch.stack([tokens.double(), chosen.double()]).tolist()
+    return [int(t) for t in drawn_tokens], logprobs

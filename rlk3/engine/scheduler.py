@@ -308,18 +308,20 @@ class Scheduler:
         if self.leaders:
             self._fork_followers(plan)
 
-        # 1. decode: one token each, oldest first
+        # 1. decode: one token each, oldest first (a sequence with room in its last page needs no _grow: this loop
+        # runs for every sequence at every step)
+        page_tokens = self.block_size if self.pool.layout.mla_layers else None
         for req in list(self.running):
             if budget == 0 or len(plan) >= cfg.max_num_seqs:
                 break
-            if req.status != RequestStatus.RUNNING or req.pending != 1:
+            if req.status != RequestStatus.RUNNING or len(req.tokens) - req.num_computed != 1:
                 continue
-            if self._grow(req, 1, plan):
+            if page_tokens is None or req.num_computed < len(req.pages) * page_tokens or self._grow(req, 1, plan):
                 plan[req] = 1
                 budget -= 1
 
         # 2. prefill, fair share: running prefills, then admissions
-        prefills = [r for r in self.running if r.pending > 1 and r not in plan]
+        prefills = [r for r in self.running if len(r.tokens) - r.num_computed > 1 and r not in plan]
         for req in prefills:
             if budget == 0 or len(plan) >= cfg.max_num_seqs:
                 break
@@ -350,6 +352,8 @@ class Scheduler:
         for req, n in list(plan.items()):
             if budget == 0:
                 break
+            if len(req.tokens) - req.num_computed <= n:  # a decode, or a prefill planned to its end
+                continue
             room = min(req.pending, self._cut(req)) - n
             if room > 0:
                 extra = self._grow_more(req, n, min(room, budget), plan)

@@ -44,15 +44,32 @@ def test_graph_safe_decode_path_equals_the_eager_one(tiny):
 
 
 def test_packed_multi_sequence_prefill_equals_one_at_a_time(tiny, monkeypatch):
+    """One masked attention for a step's prefills, several runs of them (a bound that splits the step), and one
+    sequence at a time all give the same tokens and log-probs."""
     prompts = [prompt(n, seed=n) for n in (3, 9, 30, 17, 50)]
-    outs = []
-    for packed in (True, False):
-        monkeypatch.setitem(engine_module.PACKED_PREFILL_MAX, "cpu", 1 << 30 if packed else 0)
+    outs, runs = [], {}
+    for limit in (1 << 30, 600, 0):
+        monkeypatch.setitem(engine_module.PACKED_PREFILL_MAX, "cpu", limit)
         engine = RolloutEngine(tiny, EngineConfig(memory_bytes=8 * 2**20, max_tokens_per_step=40, prefill_chunk=8))
+        build = engine._packed_groups
+
+        def counted(multi, starts, lens, build=build, limit=limit):
+            groups = build(multi, starts, lens)
+            runs.setdefault(limit, []).append(([g.last - g.first for g in groups], len(multi)))
+            for g in groups:  # each run within the bound: new tokens x (cached + new) tokens
+                assert g.mask.numel() <= limit
+            return groups
+
+        engine._packed_groups = counted
         outs.append(engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0)))
-    for a, b, p in zip(*outs, prompts):
-        assert a.token_ids == b.token_ids
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-5
+    assert all(sizes == [n] for sizes, n in runs[1 << 30])  # the whole step in one run
+    assert any(len(sizes) >= 2 for sizes, _ in runs[600])  # split into runs ...
+    assert any(sum(sizes) < n for sizes, n in runs[600])  # ... and sequences left to attend alone
+    assert all(sizes == [] for sizes, _ in runs[0])
+    for a, b, c, p in zip(*outs, prompts):
+        assert a.token_ids == b.token_ids == c.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, c.logprobs)) <= 1e-5
+        assert max(abs(x - y) for x, y in zip(b.logprobs, c.logprobs)) <= 1e-5
         assert_greedy_matches_full_forward(tiny, p, a.token_ids)
 
 

@@ -85,14 +85,17 @@ def chunk_kda(
     dt_bias: torch.Tensor | None = None,
     chunk_size: int = 64,
     backend: str | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA over whole sequences. q, k ``[B,T,H,K]``; v ``[B,T,HV,V]``; g ``[B,T,HV,K]`` (log decay, or raw gate
-    logits with ``use_gate_in_kernel``); beta ``[B,T,HV]``. Returns ``(o [B,T,HV,V], final_state | None)``."""
+    logits with ``use_gate_in_kernel``); beta ``[B,T,HV]``. Returns ``(o [B,T,HV,V], final_state | None)``.
+    ``cu_seqlens_cpu``: the same offsets on the host, when the caller has them; on CUDA, validating and indexing
+    the chunks from a device tensor waits for the GPU (trusted to equal ``cu_seqlens``, as FLA trusts it)."""
     shapes = check_inputs(
         q, k, v, g, beta, initial_state=initial_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
         use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
         allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound, A_log=A_log,
-        dt_bias=dt_bias, fn="chunk_kda",
+        dt_bias=dt_bias, fn="chunk_kda", cu_seqlens_cpu=cu_seqlens_cpu,
     )
     if chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_kda: `chunk_size` must be one of {CHUNK_SIZES} (FLA takes 32 or 64), got {chunk_size}")
@@ -104,7 +107,7 @@ def chunk_kda(
         A_log=A_log, dt_bias=dt_bias, chunk_size=chunk_size,
     )
     if _use_fla(q, backend, "chunk_kda"):
-        return _fla_ops().chunk_kda(q, k, v, g, beta, **kwargs)
+        return _fla_ops().chunk_kda(q, k, v, g, beta, cu_seqlens_cpu=cu_seqlens_cpu, **kwargs)
     return torch_chunk_kda(q, k, v, g, beta, _shapes=shapes, **kwargs)
 
 

@@ -54,6 +54,7 @@ def check_inputs(
     A_log: torch.Tensor | None,
     dt_bias: torch.Tensor | None,
     fn: str,
+    cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> Shapes:
     """Validates everything a KDA call receives; raises ``ValueError`` naming the argument and the expectation."""
     tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
@@ -93,7 +94,14 @@ def check_inputs(
                 f"{fn}: `cu_seqlens` must be a 1-D int32/int64 tensor [N+1] of offsets, "
                 f"got dtype {cu_seqlens.dtype} shape {_shape(cu_seqlens)}"
             )
-        offs = cu_seqlens.tolist()
+        host = cu_seqlens_cpu
+        if host is not None and (host.device.type != "cpu" or host.shape != cu_seqlens.shape):
+            raise ValueError(
+                f"{fn}: `cu_seqlens_cpu` must be cu_seqlens' offsets on the host (a CPU tensor of shape "
+                f"{_shape(cu_seqlens)}), got {_shape(cu_seqlens_cpu)} on {cu_seqlens_cpu.device}"
+            )
+        # the values are read from the host copy when there is one: reading a device tensor waits for the GPU
+        offs = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
         if offs[0] != 0 or offs[-1] != T or any(b < a for a, b in itertools.pairwise(offs)):
             raise ValueError(
                 f"{fn}: `cu_seqlens` must start at 0, be non-decreasing and end at T={T}; got {offs[:8]}"

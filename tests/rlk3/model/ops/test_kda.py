@@ -177,3 +177,10 @@ def test_bad_cu_seqlens():
         chunk_kda(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 5, 19]))
     with pytest.raises(ValueError, match=r"1-D int32/int64"):
         chunk_kda(q, k, v, g, beta, cu_seqlens=torch.tensor([0.0, 20.0]))
+    # the host copy of the offsets is what gets validated when it is given (a device tensor would wait for the GPU)
+    with pytest.raises(ValueError, match=r"end at T=20"):
+        chunk_kda(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 5, 20]), cu_seqlens_cpu=torch.tensor([0, 5, 19]))
+    with pytest.raises(ValueError, match=r"`cu_seqlens_cpu` must be cu_seqlens' offsets on the host"):
+        chunk_kda(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 5, 20]), cu_seqlens_cpu=torch.tensor([0, 20]))
+    o, _ = chunk_kda(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 5, 20]), cu_seqlens_cpu=torch.tensor([0, 5, 20]))
+    assert torch.equal(o, chunk_kda(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 5, 20]))[0])
