@@ -251,7 +251,7 @@ def main() -> None:
     ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                     help="EngineConfig.compile: auto = on CUDA only")
     ap.add_argument("--step-tokens", type=int, default=None,
-                    help="EngineConfig.max_tokens_per_step (default 2048 on CUDA, 512 on CPU)")
+                    help="EngineConfig.max_tokens_per_step (default: the engine's on CUDA (8192), 512 on CPU)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -261,7 +261,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = K3ForCausalLM(K3Config.preset(preset)).to(device, dtype).eval()
     cfg = EngineConfig(memory_bytes=(40 * 2**30 if cuda else 256 * 2**20),
-                       max_tokens_per_step=args.step_tokens or (2048 if cuda else 512),
+                       max_tokens_per_step=args.step_tokens or (None if cuda else 512),
                        prefill_chunk=512 if cuda else 256,
                        compile={"auto": None, "on": True, "off": False}[args.compile])
     result = dict(device=str(device), gpu=torch.cuda.get_device_name(device) if cuda else None, preset=preset,

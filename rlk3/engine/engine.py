@@ -6,6 +6,7 @@ The engine is synchronous and single-threaded: the caller drives it with ``step(
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
@@ -114,10 +115,12 @@ class RolloutEngine:
         if not hasattr(model, "config") or not hasattr(model.config, "layer_kinds") or not hasattr(model, "model"):
             raise EngineConfigError(f"RolloutEngine: model must be a K3ForCausalLM, got {type(model).__name__}")
         self.model = model.eval()
-        self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = model.config.vocab_size
         self.device = next(model.parameters()).device
+        if config.max_tokens_per_step is None:  # the device's default (config.py)
+            config = dataclasses.replace(config, max_tokens_per_step=8192 if self.device.type == "cuda" else 2048)
+        self.config = config
         cache_dtype = model.model.embed_tokens.weight.dtype
         self.layout = PoolLayout.for_model(model.config, cache_dtype, config.block_size, config.prefix_block_tokens)
         self.pool = PagedPool(self.layout, budget_bytes(config.memory_bytes, config.memory_fraction, self.device),

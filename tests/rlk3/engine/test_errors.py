@@ -109,7 +109,7 @@ def test_update_weights_rejects_bad_updates(tiny):
         (dict(memory_bytes=0), r"memory_bytes must be an int >= 1 or None, got 0"),
         (dict(block_size=48), "block_size must be a power of two dividing prefix_block_tokens=512"),
         (dict(checkpoint_interval=700), "checkpoint_interval must be a multiple of prefix_block_tokens=512"),
-        (dict(max_tokens_per_step=0), "max_tokens_per_step must be an int >= 1, got 0"),
+        (dict(max_tokens_per_step=0), "max_tokens_per_step must be an int >= 1 or None, got 0"),
         (dict(backend="cuda"), r"backend must be one of \['auto', 'torch'\], got 'cuda'"),
         (dict(enable_prefix_cache="yes"), "enable_prefix_cache must be a bool, got 'yes'"),
         (dict(cuda_graph_batch_sizes=[0]), "cuda_graph_batch_sizes must be a non-empty list of ints >= 1"),
@@ -125,6 +125,18 @@ def test_memory_defaults():
     assert EngineConfig().memory_bytes == 256 * 2**20
     cfg = EngineConfig(memory_fraction=0.01)
     assert cfg.memory_bytes is None and cfg.memory_fraction == 0.01
+
+
+def test_step_budget_defaults_by_device(tiny):
+    """None resolves when the engine starts: 2048 tokens a step on CPU (8192 on CUDA); a set budget is kept."""
+    assert EngineConfig().max_tokens_per_step is None
+    engine = RolloutEngine(tiny, EngineConfig(memory_bytes=64 * 2**20, enable_prefix_cache=False))
+    assert engine.config.max_tokens_per_step == 2048
+    engine.add_request(prompt(3000, seed=1), SamplingParams(max_tokens=1, temperature=0))
+    engine.step()
+    assert engine.stats().prefill_tokens == 2048  # the first step's share of the 3,000-token prompt
+    kept = RolloutEngine(tiny, EngineConfig(memory_bytes=64 * 2**20, max_tokens_per_step=100))
+    assert kept.config.max_tokens_per_step == 100
 
 
 def test_engine_config_from_dict_rejects_unknown_keys():
