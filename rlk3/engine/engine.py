@@ -31,6 +31,10 @@ from rlk3.engine.scheduler import Scheduler
 # cross-sequence scores are nearly free, so the bound is the mask's memory: 16M entries (a 4,096-token run; SDPA
 # expands the mask to a float bias, 64 MiB).
 PACKED_PREFILL_MAX = {"cpu": 1 << 16, "cuda": 1 << 24}
+# Whether a step over the bound is split into runs that each fit. On CUDA yes (an 8,192-token step of 64-token
+# prompts is two masked attentions per MLA layer, not 128). On CPU the per-sequence overhead is small and pairs of
+# sequences gain nothing measurable; all-or-none keeps its numerics (and the learning tests' rollouts) as they were.
+PACKED_PREFILL_RUNS = {"cpu": False, "cuda": True}
 
 
 class EngineError(RuntimeError):
@@ -580,10 +584,11 @@ class RolloutEngine:
         entries (new tokens x their cached + new tokens), each run attended in one call; a sequence left alone in
         its run attends by itself (the runner's per-sequence path)."""
         dev, bs = self.device, self.layout.block_size
-        packed_max = PACKED_PREFILL_MAX["cuda" if dev.type == "cuda" else "cpu"]
+        kind = "cuda" if dev.type == "cuda" else "cpu"
+        packed_max, split = PACKED_PREFILL_MAX[kind], PACKED_PREFILL_RUNS[kind]
         runs, run, q, k = [], [], 0, 0
         for j, (a, n) in enumerate(zip(starts, lens)):
-            if run and (q + n) * (k + a + n) > packed_max:
+            if split and run and (q + n) * (k + a + n) > packed_max:
                 runs.append(run)
                 run, q, k = [], 0, 0
             run.append(j)

@@ -48,6 +48,7 @@ def test_packed_multi_sequence_prefill_equals_one_at_a_time(tiny, monkeypatch):
     sequence at a time all give the same tokens and log-probs."""
     prompts = [prompt(n, seed=n) for n in (3, 9, 30, 17, 50)]
     outs, runs = [], {}
+    monkeypatch.setitem(engine_module.PACKED_PREFILL_RUNS, "cpu", True)  # CUDA's policy, on the CPU model
     for limit in (1 << 30, 600, 0):
         monkeypatch.setitem(engine_module.PACKED_PREFILL_MAX, "cpu", limit)
         engine = RolloutEngine(tiny, EngineConfig(memory_bytes=8 * 2**20, max_tokens_per_step=40, prefill_chunk=8))
@@ -71,6 +72,19 @@ def test_packed_multi_sequence_prefill_equals_one_at_a_time(tiny, monkeypatch):
         assert max(abs(x - y) for x, y in zip(a.logprobs, c.logprobs)) <= 1e-5
         assert max(abs(x - y) for x, y in zip(b.logprobs, c.logprobs)) <= 1e-5
         assert_greedy_matches_full_forward(tiny, p, a.token_ids)
+
+
+def test_cpu_packs_a_whole_step_or_none(tiny, monkeypatch):
+    """Without runs (the CPU's policy) a step over the bound attends one sequence at a time, as it always did."""
+    monkeypatch.setitem(engine_module.PACKED_PREFILL_MAX, "cpu", 2000)
+    engine = RolloutEngine(tiny, EngineConfig(memory_bytes=8 * 2**20, max_tokens_per_step=40, prefill_chunk=8))
+    seen = []
+    build = engine._packed_groups
+    engine._packed_groups = lambda *a: seen.append(build(*a)) or seen[-1]
+    engine.generate([prompt(n, seed=n) for n in (3, 9, 30, 17, 50)], SamplingParams(max_tokens=2, temperature=0))
+    assert seen and all(len(groups) <= 1 for groups in seen)
+    assert any(groups == [] for groups in seen)  # a step over the bound: no run at all
+    assert any(len(groups) == 1 for groups in seen)  # a step under it: one run of the whole step
 
 
 @pytest.mark.parametrize("qk,v", [(48, 32), (96, 128), (64, 64)])
