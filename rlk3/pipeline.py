@@ -10,7 +10,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import multiprocessing
+import os
 import time
 from pathlib import Path
 
@@ -80,6 +83,20 @@ def run_teachers(cfg, sft: str | None = None, log=print) -> dict[str, str]:
     return out
 
 
+def _evaluate_model(job) -> tuple[dict, int, float]:
+    """One model of ``run_eval``: its eval.json entry, how many graders raised, and the seconds it took."""
+    from rlk3.rollout.evaluate import evaluate_policy, load_policy
+
+    name, kind, d, e, path, mine, n, loop = job
+    t0 = time.time()
+    policy, tok = load_policy(path)
+    res, _ = evaluate_policy(policy, tok, mine, n, loop_config=loop)
+    entry = {"name": name, "kind": kind, "slices": [r.to_dict() for r in res]}
+    if d is not None:
+        entry |= {"domain": d, "effort": e}
+    return entry, sum(r.grader_errors for r in res), time.time() - t0
+
+
 def run_demo(cfg, log=print) -> Path:
     """SFT → nine teachers → MOPD → eval + report on the embedded default."""
     from rlk3.cluster.driver import run_rl
@@ -121,13 +138,13 @@ def eval_loop(cfg) -> dict:
             "max_context_tokens": cfg.rollout.max_total_tokens}
 
 
-def run_eval(manifest_path: str | Path, n: int | None = None, log=print) -> Path:
+def run_eval(manifest_path: str | Path, n: int | None = None, log=print, workers: int | None = None) -> Path:
     """Evaluate the SFT base, every teacher and the student on every (domain, effort) slice of the held-out split;
     write eval.json and the report (report.md + plots) beside the manifest; print the slice and acceptance tables.
-    ``n`` (tasks per slice) overrides the manifest's per-domain counts."""
+    ``n`` (tasks per slice) overrides the manifest's per-domain counts. ``workers``: models evaluated at once, each in
+    its own process with one torch thread (None: one per core, at most 4; 1: in this process, at its thread count)."""
     from rlk3.report import acceptance_summary, slice_table, write_report
     from rlk3.rollout.agent_loop import LoopConfig
-    from rlk3.rollout.evaluate import evaluate_policy, load_policy
 
     manifest_path = Path(manifest_path)
     m = json.loads(manifest_path.read_text())
@@ -141,21 +158,34 @@ def run_eval(manifest_path: str | Path, n: int | None = None, log=print) -> Path
         models.append((f"teacher-{d}-{e}", "teacher", d, e, path))
     if m.get("student"):
         models.append(("student", "student", None, None, m["student"]))
-    out = {"models": []}
-    for name, kind, d, e, path in models:
-        t0 = time.time()
-        policy, tok = load_policy(path)
-        # a teacher is evaluated on its own domain (all efforts: the ordering of tokens by effort is read there)
-        mine = [s for s in slices if d is None or s[0] == d]
-        res, _ = evaluate_policy(policy, tok, mine, n, loop_config=loop)
-        entry = {"name": name, "kind": kind, "slices": [r.to_dict() for r in res]}
-        if d is not None:
-            entry |= {"domain": d, "effort": e}
-        out["models"].append(entry)
-        if bad := sum(r.grader_errors for r in res):
+    # a teacher is evaluated on its own domain (all efforts: the ordering of tokens by effort is read there)
+    jobs = [(name, kind, d, e, path, [s for s in slices if d is None or s[0] == d], n, loop)
+            for name, kind, d, e, path in models]
+    workers = workers or min(os.cpu_count() or 1, 4, len(jobs))
+    entries: dict[str, dict] = {}
+
+    def done(entry: dict, bad: int, seconds: float) -> None:
+        name = entry["name"]
+        entries[name] = entry
+        if bad:
             log(f"eval: WARNING {name}: {bad} episodes' graders raised (scored as fails; the grader or its "
                 "sandboxes are broken, so these pass rates understate the model)")
-        log(f"eval: {name} on {len(mine)} slices x {sorted({n[s[0]] for s in mine})} tasks in {time.time() - t0:.0f}s")
+        log(f"eval: {name} on {len(entry['slices'])} slices x {sorted({n[s['domain']] for s in entry['slices']})} "
+            f"tasks in {seconds:.0f}s")
+
+    if workers == 1:
+        for job in jobs:
+            done(*_evaluate_model(job))
+    else:
+        # k3-tiny's small ops use one core poorly (and two threads beside a busy process spin), so models run side by
+        # side at one thread each; the longest (all nine slices) start first, so no long one runs alone at the end
+        order = sorted(jobs, key=lambda job: -len(job[5]))
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=torch.set_num_threads,
+                                                    initargs=(1,)) as pool:
+            for future in concurrent.futures.as_completed([pool.submit(_evaluate_model, job) for job in order]):
+                done(*future.result())
+    out = {"models": [entries[job[0]] for job in jobs]}
     eval_path = manifest_path.parent / "eval.json"
     eval_path.write_text(json.dumps(out, indent=2))
     log(slice_table(out))
