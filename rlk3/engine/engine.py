@@ -617,8 +617,8 @@ class RolloutEngine:
 
     def _decode_batch(self, reqs: list[Request]) -> ForwardBatch:
         """``_batch`` for a step of one token per sequence, the common case, in a few list passes and one host-to-
-        device copy: at batch 128 the general builder's per-token index lists cost more host time than the GPU
-        spends on the step. The conv gather indices depend only on the batch size (``_decode_indices``)."""
+        device copy, where the general builder makes per-token index lists (with scheduling, ~1.3 against ~0.65 ms
+        of host time per batch-128 step on a 2-core VM). The conv gather indices depend only on the batch size."""
         bs, N, dev = self.layout.block_size, len(reqs), self.device
         pos = [r.num_computed for r in reqs]
         cols = [self.layout.pages_per_slot, 1, 1, 1, 1]  # slot pages, token, sequence length, write page, offset
