@@ -642,6 +642,11 @@ class RolloutEngine:
             buf = buf.pin_memory().to(dev, non_blocking=True)
         slots, ids, seq_lens, write_pages, write_offsets, tables = buf.split([c * N for c in cols])
         rows, conv_src, conv_new = self._decode_indices(N)
+        # a one-token step is not always a sequence's last pending token (a prefill cut at a checkpoint boundary, a
+        # fork point or by memory): only rows that reach the end have logits wanted
+        wanted = [i for i, (r, p) in enumerate(zip(reqs, pos)) if p + 1 == len(r.tokens)]
+        if len(wanted) < N:
+            rows = torch.tensor(wanted, dtype=torch.long, device=dev)
         return ForwardBatch(
             input_ids=ids, num_decode=N, prefill_starts=[], prefill_lens=[], slot_pages=slots.view(N, cols[0]),
             block_tables=tables.view(N, width), seq_lens=seq_lens, write_pages=write_pages, write_offsets=write_offsets,
@@ -668,9 +673,9 @@ class RolloutEngine:
                 from rlk3.engine.cuda_graphs import DecodeGraphs
 
                 self._graphs = DecodeGraphs(self.runner, self.pool, self.config)
-            logits = self._graphs.run(batch)
+            logits = self._graphs.run(batch)  # every row's logits: keep the wanted ones
             if logits is not None:
-                return logits
+                return logits if batch.logit_rows.numel() == batch.num_decode else logits[batch.logit_rows]
         return self.runner.forward(self.pool, batch)
 
     def _sample(self, wanted: list[Request], logits: torch.Tensor) -> list[GenerationResult]:

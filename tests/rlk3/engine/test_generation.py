@@ -173,3 +173,25 @@ def test_generate_accepts_tensors_and_one_sampling_for_all(tiny):
     assert [len(r.token_ids) for r in out] == [5, 5]
     assert out[0].token_ids == hf_greedy(tiny, ps[0].tolist(), 5)
     assert engine.stats().num_finished == 0  # generate() releases its requests
+
+
+def test_one_token_prefill_steps_beside_decodes(tiny):
+    """With a 2-token budget a 12-token prompt is prefilled one token a step while a 1-token prompt, admitted after
+    it, decodes: every step has one token per sequence, and the row before the decoding one has no logits wanted (a
+    regression: the all-decode batch builder once returned logits for every row, so the samples were taken from the
+    wrong rows)."""
+    engine = RolloutEngine(tiny, EngineConfig(memory_bytes=16 * 2**20, max_tokens_per_step=2, prefill_chunk=1))
+    long, short = prompt(12, seed=8), prompt(1, seed=7)
+    first = engine.add_request(long, SamplingParams(max_tokens=4, temperature=0))
+    second = engine.add_request(short, SamplingParams(max_tokens=8, temperature=0))
+    rows = []
+    build = engine._decode_batch
+    engine._decode_batch = lambda reqs: rows.append(build(reqs).logit_rows.tolist()) or build(reqs)
+    while engine.has_unfinished():
+        engine.step()
+    assert [1] in rows  # an all-one-token step whose first row (the long prompt's) has no logits wanted
+    for rid, p in ((first, long), (second, short)):
+        res = engine.result(rid)
+        assert res.token_ids == hf_greedy(tiny, p, len(res.token_ids))
+        ref = full_forward_logprobs(tiny, p, res.token_ids)
+        assert max(abs(x - y) for x, y in zip(res.logprobs, ref)) <= 1e-5
