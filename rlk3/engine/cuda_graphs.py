@@ -19,7 +19,7 @@ import math
 import torch
 
 from rlk3.engine.pool import PagedPool
-from rlk3.engine.runner import ForwardBatch, ModelRunner
+from rlk3.engine.runner import ForwardBatch, ModelRunner, decode_conv_indices
 
 
 class DecodeGraphs:
@@ -62,13 +62,7 @@ class DecodeGraphs:
             self.scratch = []
 
     def _batch(self, size: int) -> ForwardBatch:
-        # the short conv's gather indices depend only on the batch size when every sequence has one token:
-        # sequence t's taps read its kernel − 1 cached rows, then its new row
-        W, dev = self.pool.layout.conv_width, self.pool.device
-        t = torch.arange(size, device=dev)[:, None]
-        cache_rows = t * W + torch.arange(W, device=dev)[None, :]
-        conv_src = torch.cat([cache_rows, size * W + t], dim=1)
-        conv_new = torch.cat([cache_rows[:, 1:], size * W + t], dim=1)
+        conv_src, conv_new = decode_conv_indices(size, self.pool.layout.conv_width, self.pool.device)
         return ForwardBatch(
             input_ids=self.input_ids[:size], num_decode=size, prefill_starts=[], prefill_lens=[],
             slot_pages=self.slot_pages[:size], block_tables=self.block_tables[:size], seq_lens=self.seq_lens[:size],

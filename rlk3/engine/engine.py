@@ -19,7 +19,7 @@ from rlk3.engine.config import EngineConfig, EngineConfigError, SamplingParams
 from rlk3.engine.pool import PagedPool, PoolLayout, budget_bytes
 from rlk3.engine.prefix_cache import PrefixCache
 from rlk3.engine.request import FinishReason, GenerationResult, Request, RequestStatus
-from rlk3.engine.runner import ForwardBatch, ModelRunner, PackedPrefill
+from rlk3.engine.runner import ForwardBatch, ModelRunner, PackedPrefill, decode_conv_indices
 from rlk3.engine.sampling import sample
 from rlk3.engine.scheduler import Scheduler
 
@@ -658,11 +658,7 @@ class RolloutEngine:
         t's taps read its sequence's kernel − 1 cached rows, then its own new row."""
         hit = self._decode_index_cache.get(n)
         if hit is None:
-            W, dev = self.layout.conv_width, self.device
-            t = torch.arange(n, device=dev)[:, None]
-            cache_rows = t * W + torch.arange(W, device=dev)[None, :]
-            hit = (torch.arange(n, device=dev), torch.cat([cache_rows, n * W + t], dim=1),
-                   torch.cat([cache_rows[:, 1:], n * W + t], dim=1))
+            hit = (torch.arange(n, device=self.device), *decode_conv_indices(n, self.layout.conv_width, self.device))
             self._decode_index_cache[n] = hit
         return hit
 

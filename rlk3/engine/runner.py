@@ -77,6 +77,14 @@ class ForwardBatch:
     prefill_offsets: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
+def decode_conv_indices(n: int, kernel: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ForwardBatch.conv_src`` / ``conv_new`` of a batch of ``n`` single-token sequences, which depend only on
+    ``n``: sequence t's taps read its kernel − 1 cached rows, then its new row."""
+    t = torch.arange(n, device=device)[:, None]
+    cache_rows = t * kernel + torch.arange(kernel, device=device)[None, :]
+    return torch.cat([cache_rows, n * kernel + t], dim=1), torch.cat([cache_rows[:, 1:], n * kernel + t], dim=1)
+
+
 # Under ``compile``, a MoE layer computes every expert for every token (``dense_experts``: static shapes, no host
 # synchronisation, so the whole block compiles into a few fused kernels) while tokens × experts stays under this;
 # larger steps batch the experts eagerly (``grouped_experts``).
