@@ -148,6 +148,9 @@ class TeachersConfig:
     # for its three teachers, or under "domain/effort" for one (applied after its domain's), as nested keys of
     # this schema, e.g. {"general": {"rollout": {"temperature": 0.6}}, "agentic/low": {"run": {"iterations": 10}}}
     overrides: dict[str, Any] = field(default_factory=dict)
+    # teachers trained at once (a medium or low starts when its domain's high is done): 0 = as many as the Ray
+    # cluster's CPUs (and GPUs, with cluster.num_gpus) hold runs of this config's bundles; 1 = one after another
+    parallel: int = 0
 
 
 TOP_UP_MODES = ("groups", "trajectories")  # rlk3/rollout/partial.py
@@ -438,6 +441,7 @@ def validate(cfg: Config) -> None:
         )
     t = cfg.train
     _range("cluster.train_workers", cfg.cluster.train_workers, 1)
+    _range("teachers.parallel", cfg.teachers.parallel, 0)
     _in("cluster.weight_sync", cfg.cluster.weight_sync, WEIGHT_SYNC_MODES)
     if cfg.train.share_prompts and cfg.cluster.train_workers > 1:
         raise ConfigError(

@@ -60,25 +60,63 @@ def run_stage(cfg) -> int:
 
 def run_teachers(cfg, sft: str | None = None, log=print) -> dict[str, str]:
     """Nine RL runs. Per domain: high from the SFT checkpoint at the maximum budget; medium and low continue from
-    the high teacher while their budgets anneal down (the write-up's recipe). Returns "domain/effort" → checkpoint."""
-    from rlk3.cluster.driver import run_rl
+    the high teacher while their budgets anneal down (the write-up's recipe). ``teachers.parallel`` runs train at
+    once, each in its own placement group: a domain's medium and low start when its high is done. Returns
+    "domain/effort" → checkpoint."""
+    from rlk3.cluster.driver import run_rl, runs_that_fit
 
     sft = sft or cfg.model.init_from
     root = Path(cfg.run.output_dir)
-    out: dict[str, str] = {}
+    # every teacher's config is derived (and so validated) before any of them trains, medium's and low's from the
+    # SFT checkpoint until their high teacher is done
+    subs = {}
     for domain in cfg.tasks.domains:
         for effort in ("high", "medium", "low"):
-            start = sft if effort == "high" else out[f"{domain}/high"]
             name = f"teacher-{domain}-{effort}"
-            sub = derive(cfg, {"run.stage": "rl", "run.name": name, "run.output_dir": str(root / name),
-                               "tasks.domains": [domain], "model.init_from": start,
-                               "effort.anneal_steps": cfg.effort.anneal_steps, **EFFORT_SETTINGS[effort],
-                               **teacher_changes(cfg, domain, effort)})
-            t0 = time.time()
-            log(f"teachers: {name} from {start}")
-            final = run_rl(sub, log=log)
-            out[f"{domain}/{effort}"] = str(final)
-            log(f"teachers: {name} done in {time.time() - t0:.0f}s -> {final}")
+            subs[domain, effort] = derive(cfg, {
+                "run.stage": "rl", "run.name": name, "run.output_dir": str(root / name), "tasks.domains": [domain],
+                "model.init_from": sft, "effort.anneal_steps": cfg.effort.anneal_steps, **EFFORT_SETTINGS[effort],
+                **teacher_changes(cfg, domain, effort)})
+    parallel = cfg.teachers.parallel or min(runs_that_fit(subs[cfg.tasks.domains[0], "high"]), len(subs))
+    log(f"teachers: {len(subs)} runs, {parallel} at a time")
+
+    def train(sub) -> str:
+        name, t0 = sub.run.name, time.time()
+        log(f"teachers: {name} from {sub.model.init_from}")
+        # side by side, each run's lines carry its name
+        final = run_rl(sub, log=log if parallel == 1 else (lambda line: log(f"{name} {line}")))
+        log(f"teachers: {name} done in {time.time() - t0:.0f}s -> {final}")
+        return str(final)
+
+    out: dict[str, str] = {}
+    failed: list[BaseException] = []
+    ready = [(d, "high") for d in cfg.tasks.domains]
+    running: dict[concurrent.futures.Future, tuple[str, str]] = {}
+    with concurrent.futures.ThreadPoolExecutor(parallel, thread_name_prefix="teacher") as pool:
+        while ready or running:
+            # a run is handed to the pool only when it can start, so that after a failure none starts
+            while ready and len(running) < parallel:
+                domain, effort = ready.pop(0)
+                sub = subs[domain, effort]
+                if effort != "high":
+                    sub = derive(sub, {"model.init_from": out[f"{domain}/high"]})
+                running[pool.submit(train, sub)] = (domain, effort)
+            finished, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in finished:
+                domain, effort = running.pop(future)
+                if future.exception() is not None:
+                    # the teachers already training finish and keep their checkpoints; none starts after a failure
+                    failed.append(future.exception())
+                    ready.clear()
+                    log(f"teachers: teacher-{domain}-{effort} failed ({future.exception()!r}); "
+                        f"{len(running)} still training will finish, none will start")
+                    continue
+                out[f"{domain}/{effort}"] = future.result()
+                if effort == "high" and not failed:
+                    ready += [(domain, "medium"), (domain, "low")]
+    if failed:
+        raise failed[0]
+    out = {f"{d}/{e}": out[f"{d}/{e}"] for d, e in subs}  # the grid's order, whatever order they finished in
     (root / "teachers.json").write_text(json.dumps(out, indent=2))
     return out
 

@@ -104,6 +104,28 @@ def one_line(r: dict) -> str:
                if r.get("grader_errors") else ""))
 
 
+def connect(cfg) -> None:
+    """Join ``cluster.ray_address`` (None: start a local head), once per process."""
+    if not ray.is_initialized():
+        ray.init(address=cfg.cluster.ray_address, include_dashboard=False, log_to_driver=True,
+                 runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}})
+
+
+def bundles(cfg) -> list[dict[str, int]]:
+    """One run's placement group. Colocated: bundle r holds train rank r, and bundle 0 also the rollout worker (and
+    MOPD's teacher pool); disaggregated: the rollout worker, then one bundle per train rank, then the teachers."""
+    res = {"CPU": 1} | ({"GPU": 1} if cfg.cluster.num_gpus else {})
+    n_train = cfg.cluster.train_workers
+    return [res] * (n_train if cfg.cluster.colocate else 1 + n_train + (cfg.run.stage == "mopd"))
+
+
+def runs_that_fit(cfg) -> int:
+    """How many runs of ``cfg``'s placement group the Ray cluster holds at once (at least 1)."""
+    connect(cfg)
+    have, need = ray.cluster_resources(), bundles(cfg)
+    return max(1, min(int(have.get(r, 0)) // sum(b.get(r, 0) for b in need) for r in need[0]))
+
+
 class Cluster:
     """The Ray side: one placement group; rollout and train workers colocated in its bundle (or in two bundles
     when ``cluster.colocate`` is off). With ``cluster.train_workers`` = N > 1 there are N data-parallel train
@@ -113,16 +135,10 @@ class Cluster:
 
     def __init__(self, cfg, out: Path) -> None:
         self.cfg, self.out = cfg, out
-        if not ray.is_initialized():
-            ray.init(address=cfg.cluster.ray_address, include_dashboard=False, log_to_driver=True,
-                     runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}})
-        res = {"CPU": 1} | ({"GPU": 1} if cfg.cluster.num_gpus else {})
+        connect(cfg)
         mopd = cfg.run.stage == "mopd"
         n_train, colocate = cfg.cluster.train_workers, cfg.cluster.colocate
-        # colocated: bundle r holds train rank r, and bundle 0 also the rollout worker (and MOPD's teacher pool);
-        # disaggregated: the rollout worker, then one bundle per train rank, then the teachers
-        bundles = [res] * (n_train if colocate else 1 + n_train + mopd)
-        self.pg = placement_group(bundles, strategy="PACK")
+        self.pg = placement_group(bundles(cfg), strategy="PACK")
         ray.get(self.pg.ready())
         share0 = 1.0 / (2 + mopd) if colocate else 1.0  # the actors of bundle 0 split its resources
 

@@ -37,6 +37,7 @@ def test_demo_pipeline_at_toy_scale(general_policy, tmp_path):
     lines = []
     try:
         report = run_demo(cfg, log=lines.append)
+        cpus = int(ray.cluster_resources()["CPU"])
     finally:
         ray.shutdown()
     root = tmp_path / "demo"
@@ -48,6 +49,7 @@ def test_demo_pipeline_at_toy_scale(general_policy, tmp_path):
         assert man["domains"] == [key.split("/")[0]] and man["effort"] == key.split("/")[1]
         assert man["budget"] == DEFAULT_BUDGETS[man["effort"]]  # each teacher ends at its effort's budget
     assert any("teacher-general-medium from" in x and "teacher-general-high" in x for x in lines)
+    assert f"teachers: 9 runs, {min(cpus, 9)} at a time" in lines  # as many as the local head's CPUs hold
     iterations = {k: len((Path(p).parent / "metrics.jsonl").read_text().splitlines()) for k, p in teachers.items()}
     assert iterations == {k: 2 if k == "general/low" else 1 for k in teachers}  # teachers.overrides applied
     ev = json.loads((root / "eval.json").read_text())
