@@ -161,6 +161,7 @@ class PagedPool:
             raise PoolError(f"release with {self.num_pages - self.num_free} pages still in use")
         self.storage = None
         self._views = {}
+        self._zero_pending = []  # free pages: nothing to zero
 
     def reacquire(self) -> None:
         # zeros, not empty: a masked-out slot read as 0 × NaN would still poison a softmax or a decayed state
@@ -168,6 +169,7 @@ class PagedPool:
         self.refcount = [0] * self.num_pages
         self._free = list(range(self.num_pages - 1, -1, -1))  # a stack: low page ids are handed out first
         self._views: dict[tuple[str, int], torch.Tensor] = {}
+        self._zero_pending: list[int] = []
 
     # -- allocation
 
@@ -205,6 +207,7 @@ class PagedPool:
     # -- typed views
 
     def _view(self, kind: str, index: int, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        self.flush()
         key = (kind, index)
         view = self._views.get(key)
         if view is None:
@@ -237,17 +240,33 @@ class PagedPool:
     # -- whole-page data movement (slots and blocks are whole pages)
 
     def zero(self, pages: list[int]) -> None:
-        if pages:
-            self.storage[torch.tensor(pages, device=self.device)] = 0
+        """Zeroes the pages, deferred: the slots a step admits are zeroed in one operation (one at a time, 128
+        admissions cost ~9 ms of host time on an H200), before anything reads or writes pool data again — every
+        other data access (``copy``, ``read``, ``write``, the typed views the runner reads) flushes first."""
+        self._zero_pending += pages
+
+    def flush(self) -> None:
+        if self._zero_pending:
+            pages, self._zero_pending = self._zero_pending, []
+            self.storage[self._index(pages)] = 0
+
+    def _index(self, pages: list[int]) -> torch.Tensor:
+        index = torch.tensor(pages, dtype=torch.long)
+        if self.device.type == "cpu":
+            return index
+        return index.pin_memory().to(self.device, non_blocking=True)  # no host synchronisation
 
     def copy(self, src: list[int], dst: list[int]) -> None:
         if src:
-            self.storage[torch.tensor(dst, device=self.device)] = self.storage[torch.tensor(src, device=self.device)]
+            self.flush()
+            self.storage[self._index(dst)] = self.storage[self._index(src)]
 
     def read(self, pages: list[int]) -> torch.Tensor:
         """A CPU copy of the pages (spilling evicted prefix blocks)."""
-        data = self.storage[torch.tensor(pages, device=self.device)]
+        self.flush()
+        data = self.storage[self._index(pages)]
         return data.to("cpu", non_blocking=False)
 
     def write(self, pages: list[int], data: torch.Tensor) -> None:
-        self.storage[torch.tensor(pages, device=self.device)] = data.to(self.device)
+        self.flush()
+        self.storage[self._index(pages)] = data.to(self.device)

@@ -87,6 +87,61 @@ def test_cpu_packs_a_whole_step_or_none(tiny, monkeypatch):
     assert any(len(groups) == 1 for groups in seen)  # a step under it: one run of the whole step
 
 
+def per_token_batch(engine, plan):
+    """``ForwardBatch``'s index tensors by their definition, one token at a time (the engine builds them with tensor
+    arithmetic over the sequences' starts and lengths)."""
+    bs, W, N = engine.layout.block_size, engine.layout.conv_width, len(plan)
+    out = {k: [] for k in ("input_ids", "write_pages", "write_offsets", "logit_rows", "conv_src", "conv_new",
+                           "slot_pages", "block_tables", "seq_lens")}
+    width = max(-(-(r.num_computed + n) // bs) for r, n in plan)
+    row = 0
+    for s, (req, n) in enumerate(plan):
+        a = req.num_computed
+
+        def src(p, s=s, row=row):  # buffer row of chunk input p (p < 0: the sequence's cached conv rows)
+            return N * W + row + p if p >= 0 else s * W + W + p
+
+        out["input_ids"] += req.tokens[a : a + n]
+        out["write_pages"] += [req.pages[p // bs] for p in range(a, a + n)]
+        out["write_offsets"] += [p % bs for p in range(a, a + n)]
+        out["conv_src"] += [[src(i - W + j) for j in range(W + 1)] for i in range(n)]
+        out["conv_new"].append([src(n - W + r) for r in range(W)])
+        row += n
+        if a + n == len(req.tokens):
+            out["logit_rows"].append(row - 1)
+        out["slot_pages"].append(req.slot)
+        used = -(-(a + n) // bs)
+        out["block_tables"].append(req.pages[:used] + [0] * (width - used))
+        out["seq_lens"].append(a + n)
+    return {k: torch.tensor(v, dtype=torch.long) for k, v in out.items()}
+
+
+def test_step_batch_equals_its_per_token_definition(tiny):
+    """Every mixed step of a workload with chunked prefill, prefix-cache hits (prefill resuming mid-prompt) and
+    decodes beside prefills: the engine's vectorised batch equals the per-token definition, tensor for tensor."""
+    engine = RolloutEngine(tiny, EngineConfig(memory_bytes=16 * 2**20, max_tokens_per_step=96, prefill_chunk=40,
+                                                prefix_block_tokens=64, checkpoint_interval=64))
+    build, checked = engine._batch, []
+
+    def checked_batch(plan):
+        batch = build(plan)
+        if plan[-1][1] > 1:
+            for key, want in per_token_batch(engine, plan).items():
+                got = getattr(batch, key)
+                assert got.dtype == torch.long and torch.equal(got, want), key
+            checked.append([n for _, n in plan])
+        return batch
+
+    engine._batch = checked_batch
+    shared = prompt(300, seed=7)
+    prompts = [prompt(n, seed=n) for n in (5, 130, 1, 47)] + [shared + prompt(n, seed=n) for n in (3, 60)]
+    engine.generate(prompts, SamplingParams(max_tokens=6))
+    engine.generate([shared + prompt(90, seed=90), prompt(2, seed=2)], SamplingParams(max_tokens=4))
+    assert len(checked) >= 8
+    assert any(1 in plan for plan in checked) and any(len(plan) >= 3 for plan in checked)  # decodes beside prefills
+    assert engine.stats().prefix_cache.hit_tokens > 0  # a prefill that starts past the sequence's beginning
+
+
 @pytest.mark.parametrize("qk,v", [(48, 32), (96, 128), (64, 64)])
 def test_prefill_attention_equals_mla_attention(qk, v):
     """The padded-head SDPA call equals the model's decompressed MLA attention, masked and causal."""
