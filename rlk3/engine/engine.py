@@ -541,8 +541,8 @@ class RolloutEngine:
 
     def _batch(self, plan: list[tuple[Request, int]]) -> ForwardBatch:
         """The runner's view of a step (see ``ForwardBatch``): packed tokens, pages, and the gather indices. The
-        per-token indices are tensor arithmetic over the per-sequence starts and lengths (a Python loop per token
-        cost ~40 ms of host time for a step of 128 x 64 prompt tokens), sent to the device in one copy."""
+        per-token indices are tensor arithmetic over the per-sequence starts and lengths (not four Python calls per
+        token), sent to the device in one copy (not a pageable copy and a sync per tensor)."""
         if plan[-1][1] == 1:  # single-token sequences come first: this step is all decode
             return self._decode_batch([req for req, _ in plan])
         bs, W, N = self.layout.block_size, self.layout.conv_width, len(plan)

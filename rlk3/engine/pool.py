@@ -240,9 +240,9 @@ class PagedPool:
     # -- whole-page data movement (slots and blocks are whole pages)
 
     def zero(self, pages: list[int]) -> None:
-        """Zeroes the pages, deferred: the slots a step admits are zeroed in one operation (one at a time, 128
-        admissions cost ~9 ms of host time on an H200), before anything reads or writes pool data again — every
-        other data access (``copy``, ``read``, ``write``, the typed views the runner reads) flushes first."""
+        """Zeroes the pages, deferred: the slots a step admits are zeroed in one operation (one at a time, each
+        was an index copy, a host sync and a write), before anything reads or writes pool data again — every other
+        data access (``copy``, ``read``, ``write``, the typed views the runner reads) flushes first."""
         self._zero_pending += pages
 
     def flush(self) -> None:
