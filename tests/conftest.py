@@ -1,5 +1,12 @@
 """Shared fixtures and process settings for the suite."""
 
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -8,6 +15,42 @@ import torch
 # MoE layer's forward+backward took 9.6 s on 2 threads next to a busy process, 0.06 s on 1).
 torch.set_num_threads(1)
 
+# The SFT stage behind `sft_run` takes ~10 minutes of one core. The suite as a whole keeps the two cores busy about a
+# third of its wall time (waits on Ray, sandboxes, graders), so when a selected test needs the checkpoint the stage
+# starts in a subprocess as soon as collection is done and those tests run last: it trains in the time the rest of
+# the suite leaves idle instead of holding one core while the other waits. One thread: the checkpoint is the same
+# bytes however busy the machine is.
+_SFT_WAIT_S = 3000
+_SFT = pytest.StashKey[tuple]()  # (process, checkpoint dir, log file)
+
+
+@pytest.hookimpl(trylast=True)  # after -m / -k deselection
+def pytest_collection_modifyitems(session, config, items):
+    users = [it for it in items if "sft_run" in getattr(it, "fixturenames", ())]
+    if not users or config.option.collectonly:
+        return
+    items[:] = [it for it in items if "sft_run" not in getattr(it, "fixturenames", ())] + users
+    from rlk3.config import CONFIG_DIR
+
+    out = Path(tempfile.mkdtemp(prefix="rlk3-sft-"))
+    log = open(out.parent / f"{out.name}.log", "w")  # noqa: SIM115 - the stage's output, read if it fails; closed at exit
+    proc = subprocess.Popen([sys.executable, "-m", "rlk3", "sft", str(CONFIG_DIR / "sft-tiny.yaml"),
+                             f"run.output_dir={out}"], stdout=log, stderr=subprocess.STDOUT)
+    config.stash[_SFT] = (proc, out, log)
+
+
+def pytest_unconfigure(config):
+    sft = config.stash.get(_SFT, None)
+    if sft is None:
+        return
+    proc, out, log = sft
+    if proc.poll() is None:  # an interrupted or deselected-early session: do not leave a trainer behind
+        proc.kill()
+        proc.wait()
+    log.close()
+    shutil.rmtree(out, ignore_errors=True)
+    Path(log.name).unlink(missing_ok=True)
+
 
 @pytest.fixture(autouse=True)
 def _seed():
@@ -15,21 +58,16 @@ def _seed():
 
 
 @pytest.fixture(scope="session")
-def sft_run(tmp_path_factory):
-    """The SFT stage as `python -m rlk3 sft configs/sft-tiny.yaml` runs it (CPU, the config's thread count), once
-    per session: the checkpoint the SFT acceptance test grades and later stages can start from.
-    Returns (checkpoint dir, manifest)."""
-    import json
-
-    from rlk3 import pipeline
-    from rlk3.config import CONFIG_DIR, load_config
-
-    out = tmp_path_factory.mktemp("sft")
-    cfg = load_config(CONFIG_DIR / "sft-tiny.yaml", [f"run.output_dir={out}", "run.stage=sft"])
-    threads = torch.get_num_threads()
+def sft_run(pytestconfig):
+    """The SFT stage as `python -m rlk3 sft configs/sft-tiny.yaml` runs it (CPU, the config's one thread), once per
+    session, started in the background when collection ends (see above): the checkpoint the SFT acceptance test
+    grades and later stages start from. Returns (checkpoint dir, manifest)."""
+    proc, out, log = pytestconfig.stash[_SFT]
     try:
-        torch.manual_seed(cfg.run.seed)
-        assert pipeline.run_stage(cfg) == 0  # sets torch's threads to cluster.cpu_threads
-    finally:
-        torch.set_num_threads(threads)
+        rc = proc.wait(timeout=_SFT_WAIT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = f"still running after {_SFT_WAIT_S} s (killed)"
+    log.flush()
+    assert rc == 0, f"`python -m rlk3 sft configs/sft-tiny.yaml` exited {rc}:\n{Path(log.name).read_text()[-4000:]}"
     return out, json.loads((out / "sft_manifest.json").read_text())
