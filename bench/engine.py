@@ -19,6 +19,7 @@ compared token by token as a sanity check (greedy, fp32 on CPU).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -80,11 +81,20 @@ def decode_throughput(model, device, batch_sizes, prompt_len, new_tokens, reps, 
     vocab = model.config.vocab_size
     engine = RolloutEngine(model, cfg)
     engine_generate(engine, prompts(2, prompt_len, vocab, 1), 4, device)  # warm-up (CUDA graphs, Triton)
+    # on CUDA the engine decodes asynchronously (EngineConfig.async_decode); the same engine without it is the
+    # baseline of that column, in the same run
+    sync_engine = None
+    if engine.async_decode:
+        sync_engine = RolloutEngine(model, dataclasses.replace(cfg, async_decode=False))
+        engine_generate(sync_engine, prompts(2, prompt_len, vocab, 1), 4, device)
     for bs in batch_sizes:
         batch = mixed_prompts(bs, *mixed, vocab, 2) if mixed else prompts(bs, prompt_len, vocab, 2)
         best_e = best_h = (float("inf"), float("inf"))  # (wall, process CPU) seconds, each the best of reps
+        best_s = float("inf")
         same, agree = True, 1.0
         for _ in range(reps):
+            if sync_engine is not None:
+                best_s = min(best_s, engine_generate(sync_engine, batch, new_tokens, device)[0][0])
             te, out_e = engine_generate(engine, batch, new_tokens, device)
             th, out_h = hf_generate(model, batch, new_tokens, device)
             best_e = (min(best_e[0], te[0]), min(best_e[1], te[1]))
@@ -95,7 +105,8 @@ def decode_throughput(model, device, batch_sizes, prompt_len, new_tokens, reps, 
         row = dict(batch=bs, prompt_len=f"{mixed[0]}-{mixed[1]}" if mixed else prompt_len, new_tokens=new_tokens,
                    engine_tok_s=n / best_e[0], hf_tok_s=n / best_h[0], speedup=best_h[0] / best_e[0],
                    engine_tok_cpu_s=n / best_e[1], hf_tok_cpu_s=n / best_h[1], speedup_cpu=best_h[1] / best_e[1],
-                   token_identical=same, common_prefix=agree, engine_ms_per_step=1e3 * best_e[0] / new_tokens)
+                   token_identical=same, common_prefix=agree, engine_ms_per_step=1e3 * best_e[0] / new_tokens,
+                   sync_tok_s=n / best_s if sync_engine is not None else None)
         if device.type == "cuda":
             row["graph_replay_ms"] = graph_replay_ms(engine, bs)
             context = sum(len(p) for p in batch) / bs + new_tokens / 2  # the mean cached length over the run
@@ -277,8 +288,9 @@ def main() -> None:
         print(f"\n{preset} ({dtype}, {device}, {args.threads} threads): decode, {args.new_tokens} new tokens")
         print("| batch | prompt tokens | engine tok/s | HF generate tok/s | speedup | speedup (CPU time) "
               "| token-identical (common prefix) |"
-              + (" engine ms/step | graph replay ms | roofline tok/s | of roofline |" if cuda else ""))
-        print("|---:|---:|---:|---:|---:|---:|:---:|" + ("---:|---:|---:|---:|" if cuda else ""))
+              + (" engine ms/step | graph replay ms | roofline tok/s | of roofline | engine tok/s, async decode off "
+                 "| async decode speedup |" if cuda else ""))
+        print("|---:|---:|---:|---:|---:|---:|:---:|" + ("---:|---:|---:|---:|---:|---:|" if cuda else ""))
         for r in result["decode"]:
             line = (f"| {r['batch']} | {r['prompt_len']} | {r['engine_tok_s']:.0f} | {r['hf_tok_s']:.0f} "
                     f"| {r['speedup']:.2f}x | {r['speedup_cpu']:.2f}x | {r['token_identical']} "
@@ -287,6 +299,8 @@ def main() -> None:
                 replay = f"{r['graph_replay_ms']:.2f}" if r["graph_replay_ms"] is not None else "-"
                 line += (f" {r['engine_ms_per_step']:.2f} | {replay} | {r['roofline_tok_s']:.0f} "
                          f"| {r['fraction_of_roofline']:.2f} |")
+                if r["sync_tok_s"] is not None:
+                    line += f" {r['sync_tok_s']:.0f} | {r['engine_tok_s'] / r['sync_tok_s']:.2f}x |"
             print(line)
 
     if "multi-turn" not in args.skip:

@@ -80,6 +80,10 @@ class EngineConfig:
     # against 6-15 per drawn row). None (the default): counter on CUDA, where it draws a batch of 128 in 0.84 ms
     # against 15.7 ms (H200), generator on CPU, where hashing a large vocabulary costs more (docs/BENCHMARKS.md)
     sampler: str | None = None
+    # launch each decode step before reading back the one before it, so the host's per-step work (batch building,
+    # read-back, stop checks) runs while the GPU computes (engine.py's docstring says what changes: results come one
+    # step() later, a stop token is computed ahead). None (the default): on where decode steps replay CUDA graphs
+    async_decode: bool | None = None
 
     def __post_init__(self) -> None:
         own = "EngineConfig"
@@ -120,6 +124,11 @@ class EngineConfig:
             _bool(own, key, getattr(self, key))
         if self.compile is not None and not isinstance(self.compile, bool):
             raise EngineConfigError(f"{own}.compile must be a bool or None (None: on CUDA only), got {self.compile!r}")
+        if self.async_decode is not None and not isinstance(self.async_decode, bool):
+            raise EngineConfigError(
+                f"{own}.async_decode must be a bool or None (None: on where CUDA graphs replay decode steps), got "
+                f"{self.async_decode!r}"
+            )
         if self.sampler is not None and self.sampler not in SAMPLERS:
             raise EngineConfigError(
                 f"{own}.sampler must be 'generator', 'counter' or None (counter on CUDA, generator on CPU; "

@@ -1,7 +1,20 @@
 """``RolloutEngine``: the rollout engine's API (DESIGN.md §3) over the scheduler, the pool and the model runner.
 
-The engine is synchronous and single-threaded: the caller drives it with ``step()`` (or the blocking
-``generate()``), and every other call happens between steps, so "pause" stops a request at its current token.
+The engine is single-threaded: the caller drives it with ``step()`` (or the blocking ``generate()``), and every
+other call happens between steps, so "pause" stops a request at its current token.
+
+**Asynchronous decode** (``EngineConfig.async_decode``, on by default where decode steps replay CUDA graphs): a
+step's host work (building the batch, reading the sampled tokens back, appending them, the stop checks) would
+otherwise leave the GPU idle ~1 ms a step at batch 128 (a third of a k3-small step on an H200). So a decode step is
+launched and ``step()`` returns without waiting for its tokens; the next ``step()`` launches the step after it, fed by
+the sampled tokens still on the device, and only then reads the previous step's tokens while the GPU computes. Two
+consequences, both bounded to one step: ``step()`` returns a request's finished result one call later, and a
+request that samples a stop token (or string) has that token fed through the model by the already-launched step —
+its cache then covers it (``extend`` continues from there), and the token that step sampled for it is dropped. Only
+requests that cannot draw randomness from a per-request generator take part (counter sampler, or greedy), so a
+dropped draw changes nothing later. Every other method first settles the step in flight, so what it sees and
+changes is exactly what a synchronous engine would show after that step; ``pause`` of a request that finished in
+that settled step returns its final result instead of raising.
 """
 
 from __future__ import annotations
@@ -20,7 +33,7 @@ from rlk3.engine.pool import PagedPool, PoolLayout, budget_bytes
 from rlk3.engine.prefix_cache import PrefixCache
 from rlk3.engine.request import FinishReason, GenerationResult, Request, RequestStatus
 from rlk3.engine.runner import ForwardBatch, ModelRunner, PackedPrefill, decode_conv_indices
-from rlk3.engine.sampling import sample
+from rlk3.engine.sampling import sample, sample_tensors, to_device
 from rlk3.engine.scheduler import Scheduler
 
 # Consecutive multi-token sequences share one masked MLA attention while (new tokens) x (their cached + new tokens)
@@ -82,6 +95,7 @@ class EngineStats:
     generated_tokens: int  # tokens sampled
     prefill_seconds: float  # forward + sampling time of steps that computed any multi-token chunk
     decode_seconds: float  # ... of steps that computed only single tokens
+    overlapped_steps: int  # decode steps launched before the previous one was read back (asynchronous decode)
     preemptions: int
     dropped_caches: int  # paused / finished caches given up under memory pressure or by a weight update
     shared_prefill_tokens: int  # prompt tokens requests did not compute: copied from a leader's (share_prefill)
@@ -107,6 +121,16 @@ def _token_list(ids, name: str) -> list[int]:
         if isinstance(t, bool) or not isinstance(t, int):
             raise ValueError(f"{name} must contain ints, got {t!r} ({type(t).__name__})")
     return out
+
+
+@dataclass
+class _InFlight:
+    """A decode step launched but not yet read back (asynchronous decode)."""
+
+    reqs: list[Request]
+    tokens: torch.Tensor  # [n] sampled ids on the device: the next step's inputs
+    host: torch.Tensor  # [2, n] float64 (ids, logprobs), filled by a non-blocking copy
+    done: torch.cuda.Event | None  # recorded after that copy (None on CPU, where it is already done)
 
 
 def _ranges(counts: torch.Tensor, total: int) -> torch.Tensor:
@@ -151,6 +175,12 @@ class RolloutEngine:
         self._seeds = torch.Generator().manual_seed(config.seed)
         self._decode_index_cache: dict[int, tuple[torch.Tensor, ...]] = {}
         self._graphs = None  # CUDA graphs of the decode step, captured on first use (cuda_graphs.py)
+        graphs = self.device.type == "cuda" and config.cuda_graphs and config.backend == "auto"
+        self.async_decode = config.async_decode if config.async_decode is not None else graphs
+        self._inflight: _InFlight | None = None
+        self._unreported: dict[str, GenerationResult] = {}  # finished while settling a step, for the next step()
+        self._progress = 0  # step() calls that did any work (generate()'s check that something can run)
+        self._overlapped = 0
         self._steps = self._prefill_tokens = self._decode_tokens = self._generated = 0
         self._prefill_seconds = self._decode_seconds = 0.0
 
@@ -167,6 +197,7 @@ class RolloutEngine:
         """Queues a prompt; returns its id. ``turn_ends``: positions in the prompt where earlier turns end (the
         agent loop's marks); the last block boundary at or before each keeps a KDA checkpoint in the prefix cache,
         as does the prompt's own end (``checkpoint_prompt_end``)."""
+        self._settle()
         sampling = self._check_sampling(sampling)
         tokens = self._check_tokens(prompt_ids, "prompt_ids")
         if request_id is None:
@@ -198,6 +229,7 @@ class RolloutEngine:
         """Appends ``token_ids`` (tool output, the next user turn) to a paused or finished request and continues it
         as a new turn, reusing its cache: only the appended tokens (and the last sampled one) are computed.
         ``sampling`` defaults to the request's previous parameters (a fresh ``max_tokens`` budget)."""
+        self._settle()
         req = self._get(request_id)
         if req.status not in (RequestStatus.PAUSED, RequestStatus.FINISHED):
             raise EngineError(
@@ -227,9 +259,14 @@ class RolloutEngine:
 
     def pause(self, request_ids: str | Iterable[str]) -> list[GenerationResult]:
         """Stops requests at their current token, keeping their cache (MLA pages and KDA state) for ``resume``.
-        Returns their partial results. Pausing a paused request does nothing."""
+        Returns their partial results. Pausing a paused request does nothing; a request that finished in the step
+        this call settled (asynchronous decode) returns its final result, which ``step()`` then no longer reports."""
+        self._settle()
         out = []
         for req in self._many(request_ids):
+            if req.status == RequestStatus.FINISHED and req.request_id in self._unreported:
+                out.append(self._unreported.pop(req.request_id))
+                continue
             if req.status == RequestStatus.FINISHED:
                 raise EngineError(f"pause: request {req.request_id!r} is finished (extend or release it instead)")
             if req.status != RequestStatus.PAUSED:
@@ -240,6 +277,7 @@ class RolloutEngine:
 
     def resume(self, request_ids: str | Iterable[str]) -> None:
         """Continues paused requests where they stopped (recomputed first if their cache had to be dropped)."""
+        self._settle()
         reqs = self._many(request_ids)
         for req in reqs:
             if req.status != RequestStatus.PAUSED:
@@ -252,6 +290,7 @@ class RolloutEngine:
 
     def abort(self, request_ids: str | Iterable[str]) -> list[GenerationResult]:
         """Ends requests in any state and forgets them; unfinished ones end with ``FinishReason.ABORT``."""
+        self._settle()
         out = []
         for req in self._many(request_ids):
             if req.status != RequestStatus.FINISHED:
@@ -263,6 +302,7 @@ class RolloutEngine:
 
     def release(self, request_ids: str | Iterable[str]) -> None:
         """Forgets finished requests (their full blocks stay in the prefix cache); ``extend`` is no longer possible."""
+        self._settle()
         reqs = self._many(request_ids)
         for req in reqs:
             if req.status != RequestStatus.FINISHED:
@@ -272,29 +312,58 @@ class RolloutEngine:
 
     def result(self, request_id: str) -> GenerationResult:
         """The current state of a request's turn (partial while it runs)."""
+        self._settle()
         return self._get(request_id).result()
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running)
+        """Whether ``step()`` has work: requests to run, a step in flight, or finished results to report."""
+        return bool(self.scheduler.waiting or self.scheduler.running or self._inflight or self._unreported)
 
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> list[GenerationResult]:
-        """Runs one scheduler step (one forward pass); returns the results of requests that finished in it."""
+        """Runs one scheduler step (one forward pass); returns the results of requests that finished in it — with
+        asynchronous decode, of those that finished in the step read back during this call (module docstring)."""
         if self.released:
             raise EngineError("step: the pool was released (release_memory); call reacquire_memory() first")
+        finished = list(self._unreported.values())
+        self._unreported.clear()
+        if self._inflight is not None:
+            start, prev, self._inflight = time.perf_counter(), self._inflight, None
+            try:
+                after = self._lookahead(prev)  # launched before prev's tokens are on the host
+            except BaseException:  # prev's tokens are still recorded (and reported by the next call)
+                for res in self._read_back(prev):
+                    self._unreported[res.request_id] = res
+                raise
+            finished += self._read_back(prev)
+            if after is not None:
+                for req in after.reqs:  # now that prev's tokens are appended (the block hashes need them)
+                    self.scheduler.register(req)
+                self._inflight = after
+            self._decode_seconds += time.perf_counter() - start
+            if after is not None:
+                return finished
         plan = self.scheduler.schedule()
         if not plan:
-            return []
+            return finished
+        self._progress += 1
         start = time.perf_counter()
         self.pool.flush()  # the slots admitted above are zeroed (a CUDA-graph replay reads the pool without a view)
+        if self.async_decode and self._can_overlap(plan):
+            reqs = [req for req, _ in plan]
+            self._inflight = self._launch(reqs, self._decode_batch(reqs))
+            for req in reqs:
+                self.scheduler.register(req)
+            self._decode_seconds += time.perf_counter() - start
+            return finished
         batch = self._batch(plan)
         logits = self._forward(batch)
         wanted = [req for req, n in plan if req.num_computed + n == len(req.tokens)]
         for req, n in plan:
             req.num_computed += n
             self.scheduler.register(req)
-        finished = self._sample(wanted, logits)
+        finished += self._sample(wanted, logits)
         elapsed = time.perf_counter() - start
         self._steps += 1
         multi = sum(n for _, n in plan if n > 1)
@@ -324,9 +393,9 @@ class RolloutEngine:
             for prompt, p in zip(prompts, params):
                 ids.append(self.add_request(prompt, p))
             while any(self.requests[i].status != RequestStatus.FINISHED for i in ids):
-                steps_before = self._steps
+                before = self._progress
                 self.step()
-                if self._steps == steps_before:
+                if self._progress == before:
                     raise EngineError("generate: no request could be scheduled (is a request paused?)")
             results = [self.requests[i].result() for i in ids]
         except BaseException:
@@ -344,6 +413,7 @@ class RolloutEngine:
         ``(name, tensor)`` pairs, e.g. streamed in buckets) and sets the policy version that tags every token
         sampled from now on. The prefix cache is invalidated. Requests keep their caches (computed under the old
         weights) unless ``recompute_on_weight_update``, which recomputes them under the new ones."""
+        self._settle()
         if isinstance(version, bool) or not isinstance(version, int) or version <= self.version:
             raise ValueError(f"update_weights: version must be an int greater than the current {self.version}, "
                              f"got {version!r}")
@@ -372,6 +442,7 @@ class RolloutEngine:
     def release_memory(self) -> None:
         """Frees the whole pool (colocation: training gets the memory). Every cache is dropped; requests stay and
         are recomputed after ``reacquire_memory``. ``step`` refuses to run in between."""
+        self._settle()
         if self.released:
             return
         for req in list(self.requests.values()):
@@ -391,6 +462,7 @@ class RolloutEngine:
 
     def reacquire_memory(self) -> None:
         """Re-creates the pool released by ``release_memory``."""
+        self._settle()
         if not self.released:
             return
         self.pool.reacquire()
@@ -399,6 +471,7 @@ class RolloutEngine:
     # ------------------------------------------------------------------ stats
 
     def stats(self) -> EngineStats:
+        self._settle()
         counts = {s: 0 for s in RequestStatus}
         for req in self.requests.values():
             counts[req.status] += 1
@@ -424,6 +497,7 @@ class RolloutEngine:
             version=self.version, steps=self._steps, prefill_tokens=self._prefill_tokens,
             decode_tokens=self._decode_tokens, generated_tokens=self._generated,
             prefill_seconds=self._prefill_seconds, decode_seconds=self._decode_seconds,
+            overlapped_steps=self._overlapped,
             preemptions=self.scheduler.preemptions, dropped_caches=self.scheduler.dropped_caches,
             shared_prefill_tokens=self.scheduler.shared_prefill_tokens,
             num_waiting=counts[RequestStatus.WAITING], num_running=counts[RequestStatus.RUNNING],
@@ -432,6 +506,7 @@ class RolloutEngine:
         )
 
     def clear_prefix_cache(self) -> None:
+        self._settle()
         if self.prefix is not None:
             self.prefix.clear()
 
@@ -440,6 +515,7 @@ class RolloutEngine:
         the references held by requests, the prefix cache and the CUDA-graph scratch; free pages are exactly those
         with none; the pool never holds more than its budget; every admitted request has room for what it
         computed. A debugging aid (the stress test calls it every step); O(pages)."""
+        self._settle()
         pool = self.pool
         assert pool.allocated_bytes <= pool.budget, (pool.allocated_bytes, pool.budget)
         if self.released:
@@ -484,6 +560,7 @@ class RolloutEngine:
         return [self._get(i) for i in ids]  # all checked before any is touched
 
     def _forget(self, req: Request) -> None:
+        self._unreported.pop(req.request_id, None)
         self.scheduler.remove(req)
         if req.has_cache or req.pages:
             self.scheduler.free_cache(req)
@@ -637,15 +714,17 @@ class RolloutEngine:
             groups.append(PackedPrefill(run[0], run[-1] + 1, pages, k_pos % bs, mask))
         return groups
 
-    def _decode_batch(self, reqs: list[Request]) -> ForwardBatch:
+    def _decode_batch(self, reqs: list[Request], ids: torch.Tensor | None = None) -> ForwardBatch:
         """``_batch`` for a step of one token per sequence, the common case, in a few list passes and one host-to-
         device copy, where the general builder makes per-token index lists (with scheduling, ~1.3 against ~0.65 ms
-        of host time per batch-128 step on a 2-core VM). The conv gather indices depend only on the batch size."""
+        of host time per batch-128 step on a 2-core VM). The conv gather indices depend only on the batch size.
+        ``ids``: the input tokens as a device tensor (a step launched ahead: not on the host yet), every row at its
+        sequence's end."""
         bs, N, dev = self.layout.block_size, len(reqs), self.device
         pos = [r.num_computed for r in reqs]
         cols = [self.layout.pages_per_slot, 1, 1, 1, 1]  # slot pages, token, sequence length, write page, offset
         flat = [page for r in reqs for page in r.slot] if self.layout.pages_per_slot else []
-        flat += [r.tokens[p] for r, p in zip(reqs, pos)]
+        flat += [r.tokens[p] for r, p in zip(reqs, pos)] if ids is None else [0] * N
         flat += [p + 1 for p in pos]
         if self.layout.mla_layers:
             used = [p // bs + 1 for p in pos]
@@ -662,13 +741,15 @@ class RolloutEngine:
         buf = torch.tensor(flat, dtype=torch.long)
         if dev.type != "cpu":
             buf = buf.pin_memory().to(dev, non_blocking=True)
-        slots, ids, seq_lens, write_pages, write_offsets, tables = buf.split([c * N for c in cols])
+        slots, host_ids, seq_lens, write_pages, write_offsets, tables = buf.split([c * N for c in cols])
         rows, conv_src, conv_new = self._decode_indices(N)
-        # a one-token step is not always a sequence's last pending token (a prefill cut at a checkpoint boundary, a
-        # fork point or by memory): only rows that reach the end have logits wanted
-        wanted = [i for i, (r, p) in enumerate(zip(reqs, pos)) if p + 1 == len(r.tokens)]
-        if len(wanted) < N:
-            rows = torch.tensor(wanted, dtype=torch.long, device=dev)
+        if ids is None:
+            ids = host_ids
+            # a one-token step is not always a sequence's last pending token (a prefill cut at a checkpoint boundary,
+            # a fork point or by memory): only rows that reach the end have logits wanted
+            wanted = [i for i, (r, p) in enumerate(zip(reqs, pos)) if p + 1 == len(r.tokens)]
+            if len(wanted) < N:
+                rows = torch.tensor(wanted, dtype=torch.long, device=dev)
         return ForwardBatch(
             input_ids=ids, num_decode=N, prefill_starts=[], prefill_lens=[], slot_pages=slots.view(N, cols[0]),
             block_tables=tables.view(N, width), seq_lens=seq_lens, write_pages=write_pages, write_offsets=write_offsets,
@@ -699,24 +780,113 @@ class RolloutEngine:
     def _sample(self, wanted: list[Request], logits: torch.Tensor) -> list[GenerationResult]:
         if not wanted:
             return []
-        keys = None
-        if self.counter_sampling:  # (seed, position of the token being drawn), the seed folded into int64
-            keys = torch.tensor([[r.seed % 2**63, len(r.tokens)] for r in wanted], device=logits.device)
+        keys = self._keys(wanted) if self.counter_sampling else None
         tokens, logprobs = sample(logits, [r.sampling for r in wanted], [r.generator for r in wanted], keys=keys)
         finished = []
         for req, tok, lp in zip(wanted, tokens, logprobs):
-            req.tokens.append(tok)
-            req.logprobs.append(lp)
-            req.versions.append(self.version)
-            self._generated += 1
-            reason = self._finish_reason(req, tok)
-            if reason is not None:
-                req.finish_reason = reason
-                self.scheduler.running.remove(req)
-                req.status = RequestStatus.FINISHED
-                self.scheduler.mark_finished(req)
-                finished.append(req.result())
+            finished += self._append(req, tok, lp)
         return finished
+
+    def _keys(self, reqs: list[Request]) -> torch.Tensor:
+        """The counter sampler's (seed, position of the token being drawn) rows, the seed folded into int64. The
+        position is ``num_computed``: every token before the drawn one has been computed (and, outside a step
+        launched ahead of its predecessor's read-back, ``len(tokens)`` equals it)."""
+        return to_device([[r.seed % 2**63, r.num_computed] for r in reqs], self.device)
+
+    def _append(self, req: Request, token: int, logprob: float) -> list[GenerationResult]:
+        """Records a sampled token; returns the request's result if it finished with it."""
+        req.tokens.append(token)
+        req.logprobs.append(logprob)
+        req.versions.append(self.version)
+        self._generated += 1
+        reason = self._finish_reason(req, token)
+        if reason is None:
+            return []
+        req.finish_reason = reason
+        self.scheduler.running.remove(req)
+        req.status = RequestStatus.FINISHED
+        self.scheduler.mark_finished(req)
+        return [req.result()]
+
+    # -- asynchronous decode (module docstring)
+
+    def _can_overlap(self, plan: list[tuple[Request, int]]) -> bool:
+        """A scheduled step may run ahead of its read-back: all decode, every row wanting its next token, and no
+        row drawing from a per-request generator (a dropped draw would shift its stream)."""
+        return all(n == 1 and req.num_computed + 1 == len(req.tokens) for req, n in plan) and (
+            self.counter_sampling or all(req.sampling.greedy for req, _ in plan))
+
+    def _launch(self, reqs: list[Request], batch: ForwardBatch) -> _InFlight:
+        """Forward and sample a decode batch; the tokens stay on the device, a non-blocking copy brings them back."""
+        logits = self._forward(batch)
+        for req in reqs:
+            req.num_computed += 1
+        keys = self._keys(reqs) if self.counter_sampling else None
+        tokens, logprobs = sample_tensors(logits, [r.sampling for r in reqs], [r.generator for r in reqs], keys=keys)
+        host, done = torch.stack([tokens.double(), logprobs.double()]), None
+        if host.is_cuda:
+            pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+            host, done = pinned.copy_(host, non_blocking=True), torch.cuda.Event()
+            done.record()
+        self._steps += 1
+        self._decode_tokens += len(reqs)
+        return _InFlight(reqs, tokens, host, done)
+
+    def _lookahead(self, prev: _InFlight) -> _InFlight | None:
+        """The decode step after ``prev``, launched before ``prev``'s tokens are read: its inputs are ``prev``'s
+        sampled ids on the device. Only when it is the step the scheduler would plan — nothing waiting, forking or
+        prefilling, every running request in ``prev``, pages for the new positions free without reclaiming — less
+        the requests ``prev`` ends by length (known now). Requests ``prev`` ends with a stop token are in it (not
+        known yet): it computes their stop token and its draw for them is dropped. None: read back first."""
+        sched, cfg = self.scheduler, self.config
+        if sched.waiting or sched.leaders:
+            return None
+        live = [r for r in prev.reqs if r.status == RequestStatus.RUNNING]  # the step before may have ended some
+        if len(live) != len(sched.running):
+            return None
+        keep = [i for i, r in enumerate(prev.reqs) if r.status == RequestStatus.RUNNING and not self._ends_next(r)]
+        reqs = [prev.reqs[i] for i in keep]
+        if not reqs or len(reqs) > min(cfg.max_num_seqs, cfg.max_tokens_per_step):
+            return None
+        if not (self.counter_sampling or all(r.sampling.greedy for r in reqs)):
+            return None
+        if self.layout.mla_layers:
+            bs = self.layout.block_size
+            grow = [r for r in reqs if r.num_computed >= len(r.pages) * bs]
+            if len(grow) > self.pool.num_free:
+                return None
+            for r in grow:
+                r.pages += self.pool.alloc(1)
+        ids = prev.tokens if len(keep) == len(prev.reqs) else prev.tokens[to_device(keep, self.device)]
+        self._progress += 1
+        self._overlapped += 1
+        return self._launch(reqs, self._decode_batch(reqs, ids=ids))
+
+    def _ends_next(self, req: Request) -> bool:
+        """Whether the token in flight for ``req`` ends its turn by length."""
+        if req.num_generated + 1 >= req.sampling.max_tokens:
+            return True
+        return self.config.max_model_len is not None and len(req.tokens) + 1 >= self.config.max_model_len
+
+    def _read_back(self, step: _InFlight) -> list[GenerationResult]:
+        """Waits for a launched step's tokens and records them; rows of requests that finished in the step before
+        (their stop token was computed ahead) are dropped."""
+        if step.done is not None:
+            step.done.synchronize()
+        self._progress += 1
+        tokens, logprobs = step.host.tolist()
+        finished = []
+        for req, tok, lp in zip(step.reqs, tokens, logprobs):
+            if req.status == RequestStatus.RUNNING and self.requests.get(req.request_id) is req:
+                finished += self._append(req, int(tok), lp)
+        return finished
+
+    def _settle(self) -> None:
+        """Reads back the step in flight, keeping its finished results for the next ``step()``."""
+        if self._inflight is not None:
+            step, self._inflight = self._inflight, None
+            for res in self._read_back(step):
+                self._unreported[res.request_id] = res
 
     def _finish_reason(self, req: Request, token: int) -> FinishReason | None:
         p = req.sampling

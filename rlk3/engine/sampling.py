@@ -82,35 +82,54 @@ def _restrict(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return probs
 
 
+def to_device(values: list, device: torch.device, dtype=None) -> torch.Tensor:
+    """A small host list on ``device`` without waiting for the GPU: ``torch.tensor(values, device=cuda)`` copies
+    from pageable memory and synchronises the stream, which would stall a step launched behind another."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def sample_tensors(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
+    keys: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample`` without the copy to the host: (token ids ``[n]`` long, their logprobs ``[n]`` float32) on the
+    logits' device. With the counter sampler (or all rows greedy) nothing here waits for the GPU."""
+    logits = logits.float()
+    dev = logits.device
+    temps = [p.temperature if not p.greedy else 1.0 for p in params]
+    if any(t != 1.0 for t in temps):  # (x / 1.0 is x: an all-greedy or T = 1 batch skips the copy and the divide)
+        logp = torch.log_softmax(logits / to_device(temps, dev, torch.float32)[:, None], dim=-1)
+    else:
+        logp = torch.log_softmax(logits, dim=-1)
+    tokens = logits.argmax(dim=-1)  # greedy rows keep these
+    drawn = [i for i, p in enumerate(params) if not p.greedy]
+    if drawn and keys is not None:
+        rows = to_device(drawn, dev) if len(drawn) < len(params) else None
+        sub = logp[rows] if rows is not None else logp
+        if any(params[i].top_k or params[i].top_p < 1.0 for i in drawn):
+            sub = restrict(sub, to_device([params[i].top_k for i in drawn], dev),
+                           to_device([params[i].top_p for i in drawn], dev, torch.float32))
+        gumbel = -torch.log(-torch.log(counter_uniform(keys[rows] if rows is not None else keys, logp.shape[-1])))
+        if rows is not None:
+            tokens[rows] = (sub + gumbel).argmax(dim=-1)
+        else:
+            tokens = (sub + gumbel).argmax(dim=-1)
+    else:
+        for i in drawn:
+            p = params[i]
+            probs = _restrict(logp[i], p.top_k, p.top_p)
+            tokens[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
+    return tokens, logp.gather(1, tokens[:, None])[:, 0]
+
+
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
     keys: torch.Tensor | None = None,
 ) -> tuple[list[int], list[float]]:
     """logits ``[n, V]`` (any float dtype) → (token per row, its logprob per row). ``keys`` ``[n, 2]`` (seed,
     position) selects the counter sampler; None the per-request generators."""
-    logits = logits.float()
-    temps = [p.temperature if not p.greedy else 1.0 for p in params]
-    if any(t != 1.0 for t in temps):  # (x / 1.0 is x: an all-greedy or T = 1 batch skips the copy and the divide)
-        logp = torch.log_softmax(logits / torch.tensor(temps, device=logits.device)[:, None], dim=-1)
-    else:
-        logp = torch.log_softmax(logits, dim=-1)
-    tokens = logits.argmax(dim=-1)  # greedy rows keep these
-    drawn = [i for i, p in enumerate(params) if not p.greedy]
-    if drawn and keys is not None:
-        rows = torch.tensor(drawn, device=logits.device)
-        sub = logp[rows]
-        if any(params[i].top_k or params[i].top_p < 1.0 for i in drawn):
-            dev = logits.device
-            sub = restrict(sub, torch.tensor([params[i].top_k for i in drawn], device=dev),
-                           torch.tensor([params[i].top_p for i in drawn], device=dev))
-        gumbel = -torch.log(-torch.log(counter_uniform(keys[rows], logp.shape[-1])))
-        tokens[rows] = (sub + gumbel).argmax(dim=-1)
-    else:
-        for i in drawn:
-            p = params[i]
-            probs = _restrict(logp[i], p.top_k, p.top_p)
-            tokens[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
-    chosen = logp.gather(1, tokens[:, None])[:, 0]
+    tokens, chosen = sample_tensors(logits, params, generators, keys)
     # one device-to-host copy (each waits for the GPU); float64 holds every token id and float32 log-prob exactly
     drawn_tokens, logprobs = torch.stack([tokens.double(), chosen.double()]).tolist()
     return [int(t) for t in drawn_tokens], logprobs
