@@ -29,7 +29,7 @@ def pytest_collection_modifyitems(session, config, items):
     users = [it for it in items if "sft_run" in getattr(it, "fixturenames", ())]
     if not users or config.option.collectonly:
         return
-    items[:] = [it for it in items if "sft_run" not in getattr(it, "fixturenames", ())] + users
+    items[:] = [it for it in items if it not in users] + users
     from rlk3.config import CONFIG_DIR
 
     out = Path(tempfile.mkdtemp(prefix="rlk3-sft-"))

@@ -844,7 +844,7 @@ class RolloutEngine:
         live = [r for r in prev.reqs if r.status == RequestStatus.RUNNING]  # the step before may have ended some
         if len(live) != len(sched.running):
             return None
-        keep = [i for i, r in enumerate(prev.reqs) if r.status == RequestStatus.RUNNING and not self._ends_next(r)]
+        keep = [i for i, r in enumerate(prev.reqs) if r.status == RequestStatus.RUNNING and not self._at_length(r, 1)]
         reqs = [prev.reqs[i] for i in keep]
         if not reqs or len(reqs) > min(cfg.max_num_seqs, cfg.max_tokens_per_step):
             return None
@@ -862,11 +862,12 @@ class RolloutEngine:
         self._overlapped += 1
         return self._launch(reqs, self._decode_batch(reqs, ids=ids))
 
-    def _ends_next(self, req: Request) -> bool:
-        """Whether the token in flight for ``req`` ends its turn by length."""
-        if req.num_generated + 1 >= req.sampling.max_tokens:
+    def _at_length(self, req: Request, ahead: int = 0) -> bool:
+        """Whether the turn has reached its length limit (``max_tokens``, ``max_model_len``) — with ``ahead`` tokens
+        still in flight counted."""
+        if req.num_generated + ahead >= req.sampling.max_tokens:
             return True
-        return self.config.max_model_len is not None and len(req.tokens) + 1 >= self.config.max_model_len
+        return self.config.max_model_len is not None and len(req.tokens) + ahead >= self.config.max_model_len
 
     def _read_back(self, step: _InFlight) -> list[GenerationResult]:
         """Waits for a launched step's tokens and records them; rows of requests that finished in the step before
@@ -899,8 +900,4 @@ class RolloutEngine:
             text = self.tokenizer.decode(window)
             if any(s in text for s in p.stop):
                 return FinishReason.STOP
-        if req.num_generated >= p.max_tokens:
-            return FinishReason.LENGTH
-        if self.config.max_model_len is not None and len(req.tokens) >= self.config.max_model_len:
-            return FinishReason.LENGTH
-        return None
+        return FinishReason.LENGTH if self._at_length(req) else None

@@ -105,16 +105,13 @@ def sample_tensors(
     tokens = logits.argmax(dim=-1)  # greedy rows keep these
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     if drawn and keys is not None:
-        rows = to_device(drawn, dev) if len(drawn) < len(params) else None
-        sub = logp[rows] if rows is not None else logp
+        rows = to_device(drawn, dev) if len(drawn) < len(params) else slice(None)  # every row: no index copy
+        sub = logp[rows]
         if any(params[i].top_k or params[i].top_p < 1.0 for i in drawn):
             sub = restrict(sub, to_device([params[i].top_k for i in drawn], dev),
                            to_device([params[i].top_p for i in drawn], dev, torch.float32))
-        gumbel = -torch.log(-torch.log(counter_uniform(keys[rows] if rows is not None else keys, logp.shape[-1])))
-        if rows is not None:
-            tokens[rows] = (sub + gumbel).argmax(dim=-1)
-        else:
-            tokens = (sub + gumbel).argmax(dim=-1)
+        gumbel = -torch.log(-torch.log(counter_uniform(keys[rows], logp.shape[-1])))
+        tokens[rows] = (sub + gumbel).argmax(dim=-1)
     else:
         for i in drawn:
             p = params[i]
