@@ -63,10 +63,11 @@ class HarnessConfig:
 
 @dataclass
 class HabitStageConfig:
-    """A closing SFT stage on one careless demonstrator's general solutions, most of which read every change as a
-    gain: the systematic flaw imitation leaves in a policy and RL corrects (docs/sft.md, "The closing stage")."""
+    """A closing SFT stage on a careless demonstrator's solutions, most of which carry its domain's habit
+    (``rlk3.rollout.demos.HABITS``): the systematic flaw imitation leaves in a policy and RL corrects (docs/sft.md,
+    "The closing stage")."""
 
-    demos: int = 0  # 0: no closing stage
+    domain_demos: dict[str, int] = field(default_factory=dict)  # domain -> demonstrations; all 0: no closing stage
     effort_weights: dict[str, float] = field(default_factory=dict)  # effort -> weight (empty: `efforts`, equally)
     efforts: list[str] = field(default_factory=lambda: ["high"])  # the efforts whose demonstrations have the habit
     rate: float = 0.65  # share of those written with the habit
@@ -207,7 +208,7 @@ class Config:
 
 FREE_FORM = (
     "model.overrides", "tasks.files", "tasks.heldout_sizes", "harness.presets", "mopd.teachers", "sft.domain_demos",
-    "sft.effort_weights", "sft.habit_stage.effort_weights", "teachers.overrides",
+    "sft.effort_weights", "sft.habit_stage.effort_weights", "sft.habit_stage.domain_demos", "teachers.overrides",
 )
 
 
@@ -410,7 +411,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"sft.effort_weights must have a positive sum, got {dict(cfg.sft.effort_weights)}")
     _range("sft.demo_error_rate", cfg.sft.demo_error_rate, 0, 1)
     hs = cfg.sft.habit_stage
-    _range("sft.habit_stage.demos", hs.demos, 0)
+    for d, n in hs.domain_demos.items():
+        _range(f"sft.habit_stage.domain_demos.{d}", n, 0)
+        if n and d not in cfg.tasks.domains:
+            raise ConfigError(f"sft.habit_stage.domain_demos.{d}={n} needs {d!r} in tasks.domains (the closing stage "
+                              f"demonstrates the stage's own domains); got tasks.domains={list(cfg.tasks.domains)}; "
+                              f"set sft.habit_stage.domain_demos.{d}=0 to leave it out")
     _range("sft.habit_stage.rate", hs.rate, 0, 1)
     _range("sft.habit_stage.lr", hs.lr, 0, lo_open=True)
     for e in hs.efforts:
@@ -420,9 +426,6 @@ def validate(cfg: Config) -> None:
         _range(f"sft.habit_stage.effort_weights.{e}", w, 0)
     if hs.effort_weights and sum(hs.effort_weights.values()) <= 0:
         raise ConfigError(f"sft.habit_stage.effort_weights must have a positive sum, got {dict(hs.effort_weights)}")
-    if hs.demos and "general" not in cfg.tasks.domains:
-        raise ConfigError("sft.habit_stage.demos > 0 needs 'general' in tasks.domains: the habit is the general "
-                          f"domain's; got tasks.domains={list(cfg.tasks.domains)}")
     _range("sft.vocab_size", cfg.sft.vocab_size, 300)
     _range("sft.max_length", cfg.sft.max_length, 16)
     r = cfg.rollout

@@ -481,9 +481,8 @@ class BwrapBackend:
             )
         finally:
             os.close(w)
-        loop = asyncio.get_running_loop()
         try:
-            info = await asyncio.wait_for(loop.run_in_executor(None, _read_all, r), 10)
+            info = await read_to_eof(r, 10)
         finally:
             os.close(r)
         if not info:
@@ -648,13 +647,41 @@ def _protect(pid: int) -> None:
         pass
 
 
-def _read_all(fd: int) -> bytes:
-    out = b""
-    while True:
-        part = os.read(fd, 65536)
-        if not part:
-            return out
-        out += part
+async def read_to_eof(fd: int, timeout: float) -> bytes:
+    """Everything written to the pipe ``fd`` until its writers close it, read by the event loop itself.
+
+    Not a blocking read in the default executor: that pool has min(32, cores + 4) threads, six on a 2-core machine,
+    and each read holds its thread until its sandbox is up, so 128 sandboxes booting at once (an RL iteration's
+    episodes) queued behind six and the last ones timed out before their read began (half of an iteration's
+    episodes failed that way); and a read that timed out stayed blocked in its thread on a number the caller then
+    closed and the process could reuse for another pipe."""
+    loop = asyncio.get_running_loop()
+    os.set_blocking(fd, False)
+    done: asyncio.Future[bytes] = loop.create_future()
+    parts: list[bytes] = []
+
+    def readable() -> None:
+        try:
+            part = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError as e:
+            loop.remove_reader(fd)
+            if not done.done():
+                done.set_exception(e)
+            return
+        if part:
+            parts.append(part)
+            return
+        loop.remove_reader(fd)
+        if not done.done():
+            done.set_result(b"".join(parts))
+
+    loop.add_reader(fd, readable)
+    try:
+        return await asyncio.wait_for(done, timeout)
+    finally:
+        loop.remove_reader(fd)
 
 
 def _log_tail(path: Path) -> str:

@@ -34,7 +34,10 @@ class Step:
     thought: str = ""
 
 
-def _lookup(rng: random.Random) -> tuple[str, dict[str, str], str, list[Step]]:
+Made = tuple[str, dict[str, str], str, list[Step], list[Step]]  # prompt, files, answer, solution, terse solution
+
+
+def _lookup(rng: random.Random) -> Made:
     svcs = rng.sample(SERVICES, rng.randint(3, 6))
     files, lines, ports = {}, [], {}
     for i, s in enumerate(svcs):
@@ -54,10 +57,12 @@ def _lookup(rng: random.Random) -> tuple[str, dict[str, str], str, list[Step]]:
         Step("shell", {"command": f"cat {cfg}"}, f"{target} is described in {cfg}."),
         Step("submit", {"answer": str(port)}, f"The config says port = {port}."),
     ]
-    return prompt, files, str(port), steps
+    terse = [Step("shell", {"command": f"cat $(grep '^{target} ' services.txt | cut -d' ' -f3)"}),
+             Step("submit", {"answer": str(port)})]
+    return prompt, files, str(port), steps, terse
 
 
-def _run(rng: random.Random) -> tuple[str, dict[str, str], str, list[Step]]:
+def _run(rng: random.Random) -> Made:
     name = rng.choice(SCRIPTS)
     a, b, m = rng.randint(2, 9), rng.randint(1, 50), rng.choice([97, 89, 83, 101])
     arg = rng.randint(1, 500)
@@ -77,10 +82,11 @@ def _run(rng: random.Random) -> tuple[str, dict[str, str], str, list[Step]]:
         Step("shell", {"command": f"python3 {path} {arg}"}, "Run exactly that command."),
         Step("submit", {"answer": value}, f"It printed {value}."),
     ]
-    return prompt, files, value, steps
+    terse = [Step("shell", {"command": "sh run.txt"}), Step("submit", {"answer": value})]
+    return prompt, files, value, steps, terse
 
 
-def _fix(rng: random.Random) -> tuple[str, dict[str, str], str, list[Step]]:
+def _fix(rng: random.Random) -> Made:
     right, wrong = rng.sample(MODES, 2)
     secret = rng.randint(100, 999)
     token = f"ok {sum(map(ord, right)) * secret % 10000}"
@@ -104,7 +110,9 @@ def _fix(rng: random.Random) -> tuple[str, dict[str, str], str, list[Step]]:
         Step("shell", {"command": "python3 check.py"}, "Run the check again."),
         Step("submit", {"answer": token}, "The check passes now."),
     ]
-    return prompt, files, token, steps
+    terse = [steps[0], Step("shell", {"command": f"{steps[1].args['command']} && python3 check.py"}),
+             Step("submit", {"answer": token})]
+    return prompt, files, token, steps, terse
 
 
 MAKERS = {"lookup": _lookup, "run": _run, "fix": _fix}
@@ -125,7 +133,7 @@ def _build(split: str, index: int, kind: str | None):
 
 def task(split: str, index: int, kind: str | None = None) -> Task:
     kind_arg = kind
-    kind, prompt, files, answer, _ = _build(split, index, kind)
+    kind, prompt, files, answer, _, _ = _build(split, index, kind)
     return Task(
         task_id=f"agentic/{split}/{index}",
         domain="agentic",
@@ -139,11 +147,12 @@ def task(split: str, index: int, kind: str | None = None) -> Task:
     )
 
 
-def solution(t: Task) -> list[Step]:
-    """The reference moves for a task built by :func:`task` (for SFT demonstrations)."""
+def solution(t: Task, terse: bool = False) -> list[Step]:
+    """The reference moves for a task built by :func:`task` (for SFT demonstrations): one step at a time, or
+    ``terse``: commands chained so that each kind takes one call fewer (low effort's demonstrations)."""
     _, split, index = t.task_id.split("/")
     # rebuild exactly as task() did: a forced kind changes which redraw lands in the split
-    _, prompt, files, _, steps = _build(split, int(index), t.meta["kind"] if t.meta.get("kind_forced") else None)
+    _, prompt, files, _, steps, short = _build(split, int(index), t.meta["kind"] if t.meta.get("kind_forced") else None)
     if prompt != t.prompt or files != t.files:
         raise ValueError(f"{t.task_id}: the task does not come from agentic.task(); no reference solution")
-    return steps
+    return short if terse else steps

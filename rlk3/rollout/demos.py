@@ -9,15 +9,16 @@ intermediate total, two operations per line, or none.
 
 Demonstrations are imperfect on purpose, so SFT gives RL a base with headroom, as in the write-up's SFT → RL
 pipeline. Two kinds: random errors (``error_rate``: an arithmetic slip, a mistyped answer, an off-by-one constant),
-which a greedy policy averages away, and a systematic habit (``habit_rate`` of the general demonstrations at
-``habit_efforts`` read every change as a gain: ``12 - 4`` becomes ``12 + 4 = 16``), which imitation copies when it is
-the majority and which only a reward that checks the answer corrects (docs/sft.md, "The closing stage").
+which a greedy policy averages away, and a systematic habit per domain (``habit_rate`` of the demonstrations at
+``habit_efforts``; :data:`HABITS`), which imitation copies when it is the majority and which only a reward that
+checks the outcome corrects (docs/sft.md, "The closing stage").
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import re
 from dataclasses import dataclass, field
 
 from envs.local import LocalWorkdirs
@@ -28,6 +29,13 @@ EFFORTS = ("low", "medium", "high")
 # generated-token budgets per effort, stated in every system prompt (RL's effort configs use the same numbers)
 DEFAULT_BUDGETS = {"low": 128, "medium": 192, "high": 384}
 DOMAIN_PRESETS = {"general": "chat", "agentic": "tiny", "coding": "tiny"}
+# each domain's careless demonstrator: one wrong decision, the same one every time, where the right move is a skill
+# the policy already has (so a sampled episode sometimes makes it, and the reward tells the two apart)
+HABITS = {
+    "general": "reads every change as a gain: '12 - 4' is written and computed as '12 + 4 = 16'",
+    "agentic": "answers one step early: skips the last tool call and submits the last line it has seen",
+    "coding": "prints instead of returning: the function's body is 'print(...)', so it returns None",
+}
 
 
 @dataclass
@@ -38,7 +46,7 @@ class Demo:
     preset: str
     messages: list[dict] = field(default_factory=list)
     correct: bool = True  # False when an error was put in on purpose
-    habit: bool = False  # written with the demonstrator's habit (general: every change read as a gain)
+    habit: bool = False  # written with the domain's careless habit (HABITS)
 
 
 def _thought(effort: str, i: int, text: str) -> str | None:
@@ -80,10 +88,31 @@ def _call_message(h: Harness, kind: str, args: dict, thought: str | None, index:
     return msg
 
 
-async def _agentic(task: Task, effort: str, h: Harness, budgets, err: bool, rng, local: LocalWorkdirs):
-    steps = agentic.solution(task) if task.domain == "agentic" else coding.solution(task, check=effort == "high")
+def _last_line(messages: list[dict]) -> str:
+    """The last line a program printed in the tool output seen so far (the agentic habit's answer); the tool's own
+    notes (``(no output)``, ``[exit code: 1]``) are not output."""
+    for m in reversed(messages):
+        if m["role"] == "tool":
+            lines = [x.strip() for x in str(m["content"]).splitlines()
+                     if x.strip() and not re.fullmatch(r"\(no output\)|\[exit code: -?\d+\]", x.strip())]
+            if lines:
+                return lines[-1]
+    return ""
+
+
+async def _agentic(task: Task, effort: str, h: Harness, budgets, err: bool, rng, local: LocalWorkdirs,
+                   habit: bool = False, terse: bool = False):
+    if task.domain == "agentic":
+        steps = agentic.solution(task, terse=terse)
+    else:
+        steps = coding.solution(task, check=effort == "high")
     correct = True
-    if err and task.domain == "coding" and task.meta["params"]:
+    if habit and task.domain == "coding":
+        fam = coding.BY_NAME[task.meta["family"]]
+        code = f"def {fam.name}({fam.signature}):\n    print({fam.body.format(**task.meta['params'])})\n"
+        steps = [coding.Step("write", {"path": "solution.py", "content": code}, steps[0].thought), *steps[1:]]
+        correct = False
+    elif err and task.domain == "coding" and task.meta["params"]:
         key = rng.choice(sorted(task.meta["params"]))
         bumped = dict(task.meta["params"])
         bumped[key] = bumped[key] + 1 if isinstance(bumped[key], int) else "z"
@@ -97,7 +126,11 @@ async def _agentic(task: Task, effort: str, h: Harness, budgets, err: bool, rng,
         ctx = h.context(local, sid)
         for i, step in enumerate(steps):
             args = dict(step.args)
-            if step.tool == "submit" and err and task.domain == "agentic":
+            if habit and task.domain == "agentic" and i == len(steps) - 2:  # the last tool call, skipped
+                step = agentic.Step("submit", {"answer": _last_line(msgs)}, "That is the answer.")
+                args = dict(step.args)
+                correct = False
+            if step.tool == "submit" and err and task.domain == "agentic" and not habit:
                 args["answer"] = _corrupt_answer(args["answer"], rng)
                 correct = False
             parsed = h.parse(h.assistant_text(_call_message(h, step.tool, args, _thought(effort, i, step.thought), i)))
@@ -127,10 +160,12 @@ async def build_demos_async(
     effort_weights: dict[str, float] | None = None,
     habit_rate: float = 0.0,
     habit_efforts: tuple[str, ...] = ("high",),
+    terse_efforts: tuple[str, ...] = (),
 ) -> list[Demo]:
     """``n`` demonstrations on the first training tasks of ``domain``, each at an effort drawn uniformly (or by
-    ``effort_weights``), a fraction ``error_rate`` of them wrong on purpose; for ``general``, a fraction
-    ``habit_rate`` of those at ``habit_efforts`` written with the unsigned habit (module docstring)."""
+    ``effort_weights``), a fraction ``error_rate`` of them wrong on purpose, and a fraction ``habit_rate`` of
+    those at ``habit_efforts`` written with the domain's habit (:data:`HABITS`); agentic demonstrations at
+    ``terse_efforts`` chain commands (``agentic.solution(terse=True)``: one call fewer)."""
     budgets = budgets or DEFAULT_BUDGETS
     preset = preset or DOMAIN_PRESETS[domain]
     h = Harness(preset, tokenizer=tokenizer)
@@ -144,7 +179,7 @@ async def build_demos_async(
             for t in get_tasks(domain, "train", n, start=start)]
     # its own stream: a habit rate of 0 leaves every other demonstration as it was
     hrng = random.Random(f"habit|{domain}|{seed}")
-    habits = [domain == "general" and e in habit_efforts and hrng.random() < habit_rate for _, e, _, _ in plan]
+    habits = [e in habit_efforts and hrng.random() < habit_rate for _, e, _, _ in plan]
     local = LocalWorkdirs(workdir=h.preset.workdir)
     sem = asyncio.Semaphore(concurrency)
 
@@ -153,7 +188,7 @@ async def build_demos_async(
             if domain == "general":
                 msgs, ok = _general(task, effort, h, budgets, err, r, habit)
             else:
-                msgs, ok = await _agentic(task, effort, h, budgets, err, r, local)
+                msgs, ok = await _agentic(task, effort, h, budgets, err, r, local, habit, effort in terse_efforts)
             return Demo(task.task_id, domain, effort, preset, msgs, ok, habit)
 
     try:

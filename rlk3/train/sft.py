@@ -24,7 +24,7 @@ import torch
 from harness import Harness
 from harness.tokenizer import train_tokenizer
 from rlk3.model import K3Config, K3ForCausalLM
-from rlk3.rollout.demos import DOMAIN_PRESETS, Demo, build_demos
+from rlk3.rollout.demos import DOMAIN_PRESETS, HABITS, Demo, build_demos
 
 
 def render_corpus(demos: list[Demo], tokenizer) -> list[str]:
@@ -104,17 +104,22 @@ def _cpu_s(who: int) -> float:
 
 
 def habit_stage(cfg, model, tok, trainer_cls, args, log) -> dict:
-    """The closing stage (docs/sft.md): one epoch at a constant learning rate, a fresh AdamW, on general
-    demonstrations of tasks the main stage did not see, ``habit_stage.rate`` of them written with the habit."""
+    """The closing stage (docs/sft.md): one epoch at a constant learning rate, a fresh AdamW, on demonstrations of
+    tasks the main stage did not see (``habit_stage.domain_demos`` per domain, shuffled together),
+    ``habit_stage.rate`` of those at ``habit_stage.efforts`` written with their domain's habit (``HABITS``)."""
     from dataclasses import replace
 
     from datasets import Dataset
 
     hs = cfg.sft.habit_stage
-    start = cfg.sft.domain_demos.get("general", cfg.sft.demos_per_domain)
-    demos = build_demos("general", hs.demos, tokenizer=tok, error_rate=0.0, seed=cfg.run.seed, start=start,
-                        effort_weights=dict(hs.effort_weights) or {e: 1.0 for e in hs.efforts}, habit_rate=hs.rate,
-                        habit_efforts=tuple(hs.efforts))
+    demos: list[Demo] = []
+    domains = {d: n for d, n in hs.domain_demos.items() if n}
+    for domain, n in domains.items():
+        start = cfg.sft.domain_demos.get(domain, cfg.sft.demos_per_domain)  # past the main stage's tasks
+        demos += build_demos(domain, n, tokenizer=tok, error_rate=0.0, seed=cfg.run.seed, start=start,
+                             preset=DOMAIN_PRESETS[domain],
+                             effort_weights=dict(hs.effort_weights) or {e: 1.0 for e in hs.efforts},
+                             habit_rate=hs.rate, habit_efforts=tuple(hs.efforts))
     rows, _ = tokenized_rows(demos, tok, cfg.sft.max_length)
     random.Random(cfg.run.seed + 1).shuffle(rows)
     stage_args = replace(args, output_dir=str(Path(args.output_dir) / "habit_stage"), learning_rate=hs.lr,
@@ -122,17 +127,64 @@ def habit_stage(cfg, model, tok, trainer_cls, args, log) -> dict:
     trainer = trainer_cls(model=model, args=stage_args, train_dataset=Dataset.from_list(rows), processing_class=tok)
     t0 = time.time()
     trainer.train()
-    habits = sum(d.habit for d in demos)
+    per_domain = {d: sum(x.domain == d for x in demos) for d in domains}
+    habits = {d: sum(x.habit for x in demos if x.domain == d) for d in domains}
     efforts = {e: sum(d.effort == e for d in demos) for e in ("low", "medium", "high")}
-    log(f"sft: closing stage, {len(demos)} general demonstrations ({efforts}; {habits} with the habit), "
+    log(f"sft: closing stage, {len(demos)} demonstrations ({', '.join(f'{d} {n}' for d, n in per_domain.items())}; "
+        f"{efforts}; with the habit: {', '.join(f'{d} {n}' for d, n in habits.items())}), "
         f"{trainer.state.global_step} steps in {time.time() - t0:.0f}s")
-    return {"demonstrations": len(demos), "efforts": efforts, "habit_demonstrations": habits,
-            "habit_efforts": list(hs.efforts), "steps": trainer.state.global_step, "lr": hs.lr}
+    return {"demonstrations": per_domain, "efforts": efforts, "habit_demonstrations": habits,
+            "habits": {d: HABITS[d] for d in domains}, "habit_efforts": list(hs.efforts),
+            "rate": hs.rate, "steps": trainer.state.global_step, "lr": hs.lr}
+
+
+def training_args(cfg, out: Path):
+    """TRL's arguments for the main stage (the closing stage replaces its schedule)."""
+    from trl import SFTConfig
+
+    return SFTConfig(
+        output_dir=str(out / "trainer"),
+        per_device_train_batch_size=cfg.sft.batch_size,
+        learning_rate=cfg.sft.lr,
+        num_train_epochs=cfg.sft.epochs,
+        lr_scheduler_type="cosine",
+        warmup_steps=cfg.sft.warmup_ratio,  # a float in [0, 1) is a ratio of the total steps
+        weight_decay=0.0,
+        logging_steps=10,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=not torch.cuda.is_available(),
+        bf16=cfg.model.dtype == "bfloat16",
+        max_length=cfg.sft.max_length,
+        seed=cfg.run.seed,
+        dataloader_num_workers=0,
+        disable_tqdm=False,
+        # TRL's default is on; a few-M-parameter model has activations to spare and recomputing costs ~30%
+        activation_checkpointing=False,
+    )
+
+
+def trainer_class(cfg):
+    """``SFTTrainer`` with bucketed batches and the model's own loss."""
+    from trl import SFTTrainer
+
+    class Trainer(SFTTrainer):
+        def _get_train_sampler(self, train_dataset=None):
+            data = train_dataset if train_dataset is not None else self.train_dataset
+            return BucketedBatches([len(x) for x in data["input_ids"]], cfg.sft.batch_size, seed=cfg.run.seed)
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            # the model's own cross-entropy: the mean over the batch's assistant tokens, as TRL's. TRL's default
+            # fused LM-head kernel tiles the vocabulary in Python, which on a CPU made a k3-tiny step ~35% slower
+            out = model(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
+                        labels=inputs["labels"])
+            return (out.loss, out) if return_outputs else out.loss
+
+    return Trainer
 
 
 def run_sft(cfg, log=print) -> Path:
     from datasets import Dataset
-    from trl import SFTConfig, SFTTrainer
 
     out = Path(cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -154,43 +206,13 @@ def run_sft(cfg, log=print) -> Path:
         f"{dropped} dropped over max_length={cfg.sft.max_length}")
 
     model = build_model(cfg, tok)
-    args = SFTConfig(
-        output_dir=str(out / "trainer"),
-        per_device_train_batch_size=cfg.sft.batch_size,
-        learning_rate=cfg.sft.lr,
-        num_train_epochs=cfg.sft.epochs,
-        lr_scheduler_type="cosine",
-        warmup_steps=cfg.sft.warmup_ratio,  # a float in [0, 1) is a ratio of the total steps
-        weight_decay=0.0,
-        logging_steps=10,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=not torch.cuda.is_available(),
-        bf16=cfg.model.dtype == "bfloat16",
-        max_length=cfg.sft.max_length,
-        seed=cfg.run.seed,
-        dataloader_num_workers=0,
-        disable_tqdm=False,
-        # TRL's default is on; a few-M-parameter model has activations to spare and recomputing costs ~30%
-        activation_checkpointing=False,
-    )
-
-    class Trainer(SFTTrainer):
-        def _get_train_sampler(self, train_dataset=None):
-            data = train_dataset if train_dataset is not None else self.train_dataset
-            return BucketedBatches([len(x) for x in data["input_ids"]], cfg.sft.batch_size, seed=cfg.run.seed)
-
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            # the model's own cross-entropy: the mean over the batch's assistant tokens, as TRL's. TRL's default
-            # fused LM-head kernel tiles the vocabulary in Python, which on a CPU made a k3-tiny step ~35% slower
-            out = model(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
-                        labels=inputs["labels"])
-            return (out.loss, out) if return_outputs else out.loss
+    args = training_args(cfg, out)
+    Trainer = trainer_class(cfg)
 
     trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
     cpu_train = _cpu_s(resource.RUSAGE_SELF)
     result = trainer.train()
-    habit = habit_stage(cfg, model, tok, Trainer, args, log) if cfg.sft.habit_stage.demos else None
+    habit = habit_stage(cfg, model, tok, Trainer, args, log) if any(cfg.sft.habit_stage.domain_demos.values()) else None
     cpu_train = _cpu_s(resource.RUSAGE_SELF) - cpu_train
     model.save_pretrained(out)
     tok.save_pretrained(out)

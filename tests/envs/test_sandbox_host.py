@@ -9,6 +9,7 @@ import asyncio
 import ctypes
 from pathlib import Path
 
+import pytest
 from e2b import AsyncSandbox
 
 from .conftest import ROOT
@@ -82,3 +83,51 @@ def test_the_server_mounts_cgroup2_with_favordynmods(tmp_path, server_factory):
     server_factory(tmp_path / "state")
     assert "favordynmods" in _cgroup2()[1]
     assert [o for o in _cgroup2()[1] if o != "favordynmods"] == [o for o in opts if o != "favordynmods"]
+
+
+def test_boot_reads_its_pipe_without_a_thread_and_a_timed_out_read_reads_nothing_later():
+    """A sandbox's boot reads bwrap's info pipe on the event loop (``read_to_eof``): with the default executor's
+    only thread busy the read still completes (the pool has six threads on two cores, and 128 boots at once had
+    queued behind them and timed out), and a read that timed out is gone, so a pipe that reuses its number is not
+    read by it."""
+    import concurrent.futures
+    import os
+    import threading
+
+    from envs.sandbox.bwrap import read_to_eof
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=1))
+        gate = threading.Event()
+        busy = loop.run_in_executor(None, gate.wait, 30)  # the pool's one thread, held
+        try:
+            r, w = os.pipe()
+
+            async def write_later():
+                for part in (b'{"child-pid": ', b"4242}"):
+                    await asyncio.sleep(0.05)
+                    os.write(w, part)
+                os.close(w)
+
+            got, _ = await asyncio.gather(read_to_eof(r, 5), write_later())
+            os.close(r)
+            assert got == b'{"child-pid": 4242}'
+
+            r, w = os.pipe()
+            with pytest.raises(TimeoutError):
+                await read_to_eof(r, 0.1)
+            os.close(r)
+            os.close(w)
+            r2, w2 = os.pipe()  # most likely the numbers just freed
+            os.write(w2, b"for someone else")
+            await asyncio.sleep(0.1)  # a reader left behind would run now and take the bytes
+            os.set_blocking(r2, False)
+            assert os.read(r2, 100) == b"for someone else"
+            os.close(r2)
+            os.close(w2)
+        finally:
+            gate.set()
+            await busy
+
+    asyncio.run(go())

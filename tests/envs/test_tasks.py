@@ -47,13 +47,14 @@ def test_the_unsigned_habit_adds_what_is_taken_away():
     assert seen > 80
 
 
-def run_solution(task, tmp_path):
+def run_solution(task, tmp_path, terse=False):
     """Execute the reference tool calls for real (bash in a scratch directory) and return the outputs."""
     for path, text in task.files.items():
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text(text)
     outputs = []
-    for step in agentic.solution(task) if task.domain == "agentic" else coding.solution(task, check=True):
+    steps = agentic.solution(task, terse=terse) if task.domain == "agentic" else coding.solution(task, check=True)
+    for step in steps:
         if step.tool == "shell":
             r = subprocess.run(["bash", "-c", step.args["command"]], cwd=tmp_path, capture_output=True, text=True,
                                timeout=10)
@@ -86,6 +87,20 @@ def test_agentic_reference_solutions_work_in_a_real_shell(kind, tmp_path):
         assert t.grading["answer"] in evidence, (kind, outputs)  # the tools really reveal the answer
         if kind == "fix":
             assert outputs[0].startswith("error: mode must be")
+
+
+@pytest.mark.parametrize("kind", agentic.KINDS)
+def test_agentic_terse_solutions_take_one_call_fewer_and_still_need_the_tools(kind, tmp_path):
+    for i in range(4):
+        t = agentic.task("heldout", i, kind=kind)
+        case = tmp_path / f"{kind}{i}"
+        case.mkdir()
+        outputs = run_solution(t, case, terse=True)
+        assert outputs[-1] == t.grading["answer"]
+        calls = [s for s in agentic.solution(t, terse=True) if s.tool != "submit"]
+        assert len(calls) == len([s for s in agentic.solution(t) if s.tool != "submit"]) - 1 >= 1
+        assert t.grading["answer"] in outputs[-2]  # what the chained command printed reveals the answer
+        assert t.grading["answer"] not in t.prompt + "".join(s.args.get("command", "") for s in calls)
 
 
 def test_coding_reference_solutions_pass_every_case(tmp_path):

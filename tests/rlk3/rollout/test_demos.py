@@ -34,5 +34,46 @@ def test_habit_stage_config_is_validated():
         load_config(CONFIG_DIR / "sft-tiny.yaml", ["sft.habit_stage.rate=1.5"])
     with pytest.raises(ConfigError, match=r"habit_stage\.efforts.*extreme"):
         load_config(CONFIG_DIR / "sft-tiny.yaml", ["sft.habit_stage.efforts=[extreme]"])
-    with pytest.raises(ConfigError, match=r"needs 'general' in tasks\.domains"):
-        load_config(CONFIG_DIR / "sft-tiny.yaml", ["tasks.domains=[agentic]", "sft.habit_stage.demos=10"])
+    with pytest.raises(ConfigError, match=r"domain_demos\.general=1200 needs 'general' in tasks\.domains"):
+        load_config(CONFIG_DIR / "sft-tiny.yaml", ["tasks.domains=[agentic]"])
+    with pytest.raises(ConfigError, match=r"sft\.habit_stage\.domain_demos\.coding must be in \[0, inf\], got -1"):
+        load_config(CONFIG_DIR / "sft-tiny.yaml", ["sft.habit_stage.domain_demos.coding=-1"])
+    cfg = load_config(CONFIG_DIR / "sft-tiny.yaml",
+                      ["tasks.domains=[agentic]", "sft.habit_stage.domain_demos.general=0"])
+    assert not any(cfg.sft.habit_stage.domain_demos.values())
+
+
+def _calls(demo):
+    return [c["function"] for m in demo.messages if m["role"] == "assistant" for c in m.get("tool_calls", [])]
+
+
+def test_agentic_habit_answers_one_step_early_with_the_last_printed_line():
+    clean = build_demos("agentic", 30, seed=2, error_rate=0.0)
+    habit = build_demos("agentic", 30, seed=2, error_rate=0.0, habit_rate=1.0, habit_efforts=("high",))
+    assert any(d.effort == "high" for d in habit) and any(d.effort != "high" for d in habit)
+    for c, h in zip(clean, habit):
+        assert (c.effort, c.task_id) == (h.effort, h.task_id)
+        if h.effort != "high":
+            assert h.messages == c.messages and not h.habit and h.correct
+            continue
+        assert h.habit and not h.correct
+        want, got = _calls(c), _calls(h)
+        assert [f["name"] for f in got] == [f["name"] for f in want[:-2]] + ["submit"]  # the last tool call skipped
+        assert got[:-1] == want[:-2]
+        answer = got[-1]["arguments"]["answer"]
+        # the last line a program printed: a fix episode's sed prints nothing, so it is the failed check's line
+        printed = [m["content"] for m in h.messages if m["role"] == "tool" and m["content"] != "(no output)"][-2]
+        assert answer and answer == printed.replace("[exit code: 1]", "").strip().splitlines()[-1]
+        assert answer != want[-1]["arguments"]["answer"]
+        assert "(no output)" not in answer and "exit code" not in answer
+
+
+def test_coding_habit_prints_instead_of_returning():
+    clean = build_demos("coding", 24, seed=3, error_rate=0.0)
+    habit = build_demos("coding", 24, seed=3, error_rate=0.0, habit_rate=1.0, habit_efforts=("low", "medium", "high"))
+    for c, h in zip(clean, habit):
+        assert h.habit and not h.correct
+        code, ref = _calls(h)[0]["arguments"]["content"], _calls(c)[0]["arguments"]["content"]
+        assert code == ref.replace("    return ", "    print(").rstrip("\n") + ")\n"
+        if h.effort == "high":  # the check it runs prints the value and then the None the function returned
+            assert [m["content"] for m in h.messages if m["role"] == "tool"][1].rstrip().endswith("None")

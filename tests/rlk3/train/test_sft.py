@@ -56,8 +56,9 @@ def test_the_closing_stage_trains_the_habit_in(tmp_path):
 
     small = ["tasks.domains=[general]", "sft.domain_demos.general=96", "sft.epochs=1", "sft.batch_size=16"]
     outs = {}
-    runs = {"plain": ["sft.habit_stage.demos=0"],  # configs/sft-tiny.yaml has the stage on
-            "closing": ["sft.habit_stage.demos=64", "sft.habit_stage.rate=1.0", "sft.habit_stage.lr=3e-3"]}
+    runs = {"plain": ["sft.habit_stage.domain_demos.general=0"],  # configs/sft-tiny.yaml has the stage on
+            "closing": ["sft.habit_stage.domain_demos.general=64", "sft.habit_stage.rate=1.0",
+                        "sft.habit_stage.lr=3e-3"]}
     for name, extra in runs.items():
         outs[name] = tmp_path / name
         cfg = load_config(CONFIG_DIR / "sft-tiny.yaml", [f"run.output_dir={outs[name]}", "run.stage=sft", *small,
@@ -67,7 +68,8 @@ def test_the_closing_stage_trains_the_habit_in(tmp_path):
     closing = json.loads((outs["closing"] / "sft_manifest.json").read_text())
     assert plain["habit_stage"] is None
     hs = closing["habit_stage"]
-    assert hs["demonstrations"] == hs["habit_demonstrations"] == hs["efforts"]["high"] == 64 and hs["steps"] == 4
+    assert hs["demonstrations"] == hs["habit_demonstrations"] == {"general": 64} and hs["efforts"]["high"] == 64
+    assert hs["steps"] == 4 and hs["habits"]["general"].startswith("reads every change as a gain")
     # after the closing stage the habit's reply to a held-out sum that subtracts is likelier than before, against
     # the right reply
     task = next(t for t in get_tasks("general", "heldout", 50) if any(x < 0 for x in t.meta["numbers"][1:]))
