@@ -63,6 +63,13 @@ def main(argv: list[str] | None = None) -> int:
         help="warm sandboxes kept booted per (template, backend) once used, so create only hands one out "
         "(0: boot on every create)",
     )
+    s.add_argument(
+        "--max-starting",
+        type=int,
+        default=None,
+        help="sandboxes booting or restoring at once (default: 2 per core, at least 4); more creates wait their "
+        "turn rather than time out",
+    )
     s.add_argument("--max-upload-mb", type=int, default=100)
     s.add_argument(
         "--api-key",
@@ -99,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         on_exit=args.on_exit,
         max_sandboxes=args.max_sandboxes,
         pool=args.pool,
+        max_starting=args.max_starting,
     )
     app = build_app(manager, api_key=args.api_key, max_upload_mb=args.max_upload_mb)
     uvicorn.run(

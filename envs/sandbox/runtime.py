@@ -149,6 +149,7 @@ class Manager:
         on_exit: str = "pause",
         max_sandboxes: int = 1000,
         pool: int = 2,
+        max_starting: int | None = None,
     ) -> None:
         self.state = state.resolve()
         self.reaper = Reaper()
@@ -167,6 +168,15 @@ class Manager:
         self.default_pause = default_pause
         self.on_exit = on_exit
         self.max_sandboxes = max_sandboxes
+        # sandboxes starting (booted or restored, up to their agent's connection) at once; the rest wait their
+        # turn. Each start has its own timeouts (10 s for bwrap's report, the agent's connection), which must
+        # measure that start, not a queue: an RL iteration creates its 128 episodes' sandboxes at once, and on two
+        # busy cores two servers' 256 starts side by side ran the last ones past 10 s (a quarter of the episodes
+        # failed). Starts are CPU work (namespaces, mounts, an interpreter), so a few per core keep them all busy.
+        self.max_starting = max_starting or max(4, 2 * (os.cpu_count() or 1))
+        if self.max_starting < 1:
+            raise ValueError(f"max_starting must be >= 1, not {max_starting!r}")
+        self.starting = asyncio.Semaphore(self.max_starting)
         # warm pool: booted sandboxes waiting per (template, backend), handed out by create; a sandbox's
         # start-up (namespaces, overlay, the agent's interpreter: ~40-90 ms under bwrap, ~300 ms under
         # gVisor) then happens before the request instead of during it. Filled on a template's first use.
@@ -352,6 +362,10 @@ class Manager:
 
     async def _launch(self, live: Live, *, image: str | None = None) -> None:
         """Boot (or CRIU-restore) the sandbox's process tree and wait for its agent."""
+        async with self.starting:
+            await self._start(live, image)
+
+    async def _start(self, live: Live, image: str | None) -> None:
         rec = live.rec
         limits = Limits(**rec.limits)
         be = self._be(rec)

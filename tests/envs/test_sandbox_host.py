@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import os
 from pathlib import Path
 
 import pytest
@@ -91,7 +92,6 @@ def test_boot_reads_its_pipe_without_a_thread_and_a_timed_out_read_reads_nothing
     queued behind them and timed out), and a read that timed out is gone, so a pipe that reuses its number is not
     read by it."""
     import concurrent.futures
-    import os
     import threading
 
     from envs.sandbox.bwrap import read_to_eof
@@ -131,3 +131,31 @@ def test_boot_reads_its_pipe_without_a_thread_and_a_timed_out_read_reads_nothing
             await busy
 
     asyncio.run(go())
+
+
+def test_starts_wait_their_turn_beyond_max_starting(tmp_path):
+    """At most ``max_starting`` sandboxes boot or restore at once (``Manager._launch``); the rest wait for a slot,
+    so each start's own timeouts measure that start. Without the limit, 256 creates side by side on two busy cores
+    failed a quarter to a half of them at bwrap's 10-s report timeout (docs/sandbox.md, "Starting many at once")."""
+    from envs.sandbox.runtime import Live, Manager
+
+    m = Manager(tmp_path / "state", max_starting=3)
+    assert Manager(tmp_path / "other").max_starting == max(4, 2 * (os.cpu_count() or 1))
+    with pytest.raises(ValueError, match="max_starting must be >= 1"):
+        Manager(tmp_path / "bad", max_starting=-2)
+    now, peak = 0, 0
+
+    async def start(live, image):  # stands in for the boot only: what is under test is who may start when
+        nonlocal now, peak
+        now += 1
+        peak = max(peak, now)
+        await asyncio.sleep(0.01)
+        now -= 1
+
+    m._start = start
+
+    async def go():
+        await asyncio.gather(*(m._launch(Live(None)) for _ in range(40)))
+
+    asyncio.run(go())
+    assert peak == 3 and now == 0
