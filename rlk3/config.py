@@ -141,6 +141,9 @@ class MOPDConfig:
     alpha: float = 0.0  # weight of the outcome reward next to the distillation reward
     iterations: int = 20  # the demo stage's MOPD iterations (run.iterations for a plain mopd run)
     max_resident: int = 9  # teachers kept loaded at once (fewer: loaded and offloaded on demand)
+    # the demo stage's student run: nested keys of this schema on top of the stage's config, as teachers.overrides
+    # are for a teacher (e.g. {"train": {"lr": 1e-4}, "rollout": {"group_size": 8}})
+    overrides: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -209,6 +212,7 @@ class Config:
 FREE_FORM = (
     "model.overrides", "tasks.files", "tasks.heldout_sizes", "harness.presets", "mopd.teachers", "sft.domain_demos",
     "sft.effort_weights", "sft.habit_stage.effort_weights", "sft.habit_stage.domain_demos", "teachers.overrides",
+    "mopd.overrides",
 )
 
 
@@ -318,9 +322,33 @@ def _check_teacher_overrides(cfg: Config) -> None:
             raise ConfigError(f"teachers.overrides.{key}: {e}") from None
 
 
-def _overrides(cfg: Config) -> dict[str, Any]:
-    o = cfg.teachers.overrides
+def _overrides(cfg: Config, o=None) -> dict[str, Any]:
+    o = cfg.teachers.overrides if o is None else o
     return OmegaConf.to_container(o) if isinstance(o, DictConfig) else dict(o)
+
+
+# what the demo stage sets for its student run (rlk3/pipeline.py): mopd.overrides may not move these
+STUDENT_FIXED = ("run.stage", "run.name", "run.output_dir", "tasks.domains", "model.init_from", "run.iterations",
+                 "effort.budget_start")
+
+
+def _check_student_overrides(cfg: Config) -> None:
+    """``mopd.overrides``: a mapping of this schema's keys, none the demo stage sets itself (``run.iterations`` is
+    ``mopd.iterations``), values the schema accepts."""
+    tree = _overrides(cfg, cfg.mopd.overrides)
+    for k in _flat(tree) if tree else ():
+        if k in STUDENT_FIXED or k.startswith(("mopd.", "teachers.")):
+            raise ConfigError(f"mopd.overrides: {k} is set by the demo stage itself; an override may change "
+                              f"anything but {list(STUDENT_FIXED)} and the mopd/teachers sections")
+    try:
+        derive(cfg, {"run.stage": "rl", **_flat(tree)})
+    except ConfigError as e:
+        raise ConfigError(f"mopd.overrides: {e}") from None
+
+
+def student_changes(cfg: Config) -> dict[str, Any]:
+    """The dotted-key changes ``mopd.overrides`` makes for the demo's student run (checked at validation)."""
+    return _flat(_overrides(cfg, cfg.mopd.overrides))
 
 
 def teacher_changes(cfg: Config, domain: str, effort: str) -> dict[str, Any]:
@@ -494,3 +522,5 @@ def validate(cfg: Config) -> None:
         _range("mopd.clip", cfg.mopd.clip, 0, lo_open=True)
     if cfg.run.stage in ("teachers", "demo"):
         _check_teacher_overrides(cfg)
+    if cfg.run.stage == "demo":
+        _check_student_overrides(cfg)

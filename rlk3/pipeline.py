@@ -19,7 +19,16 @@ from pathlib import Path
 
 import torch
 
-from rlk3.config import CONFIG_DIR, DOMAINS, EFFORTS, derive, heldout_sizes, load_config, teacher_changes
+from rlk3.config import (
+    CONFIG_DIR,
+    DOMAINS,
+    EFFORTS,
+    derive,
+    heldout_sizes,
+    load_config,
+    student_changes,
+    teacher_changes,
+)
 from rlk3.rollout.demos import DEFAULT_BUDGETS
 
 # the effort levels' budgets (configs/effort/*.yaml): high trains at the maximum; medium and low anneal down from it
@@ -154,7 +163,8 @@ def run_demo(cfg, log=print) -> Path:
     log(f"demo: SFT ready ({time.time() - t0:.0f}s)")
     teachers = run_teachers(derive(cfg, {"run.stage": "teachers", "run.output_dir": str(root)}), str(sft), log=log)
     log(f"demo: nine teachers ready ({time.time() - t0:.0f}s)")
-    student = run_rl(derive(cfg, {"run.stage": "mopd", "run.name": "student", "run.output_dir": str(root / "student"),
+    student = run_rl(derive(cfg, {**student_changes(cfg),
+                                  "run.stage": "mopd", "run.name": "student", "run.output_dir": str(root / "student"),
                                   "tasks.domains": list(DOMAINS), "model.init_from": str(sft),
                                   "mopd.teachers": teachers, "effort.budget_start": 0,
                                   "run.iterations": cfg.mopd.iterations}), log=log)

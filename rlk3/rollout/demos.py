@@ -5,7 +5,8 @@ effort: the harness's system prompt (effort and budget lines included), the task
 tool calls are written in the preset's syntax, *parsed back* by the harness (so every demonstrated call is one
 the agent loop would accept) and *executed* to get real tool results. Effort changes how much the agent
 reasons: every step explained (high), only the plan (medium), nothing (low) — and for arithmetic, every
-intermediate total, two operations per line, or none.
+intermediate total, two operations per line, or none; for agentic tool use, low effort also chains commands
+(``sh run.txt``; the fix and its re-check in one call), one call fewer than the step-by-step efforts.
 
 Demonstrations are imperfect on purpose, so SFT gives RL a base with headroom, as in the write-up's SFT → RL
 pipeline. Two kinds: random errors (``error_rate``: an arithmetic slip, a mistyped answer, an off-by-one constant),
@@ -34,8 +35,18 @@ DOMAIN_PRESETS = {"general": "chat", "agentic": "tiny", "coding": "tiny"}
 HABITS = {
     "general": "reads every change as a gain: '12 - 4' is written and computed as '12 + 4 = 16'",
     "agentic": "answers one step early: skips the last tool call and submits the last line it has seen",
-    "coding": "prints instead of returning: the function's body is 'print(...)', so it returns None",
+    "coding": "prints numbers instead of returning them: a function whose result is a number has the body "
+              "'print(...)', so it returns None",
 }
+
+
+def _habit_applies(task: Task) -> bool:
+    """Whether the domain's habit has a move to change on ``task`` (coding: only functions that return a number,
+    7 of the 12 families, so the habit leaves the others right and the SFT policy keeps passing them)."""
+    if task.domain == "coding":
+        out = task.grading["visible"][0]["expected"]
+        return isinstance(out, int) and not isinstance(out, bool)
+    return True
 
 
 @dataclass
@@ -179,7 +190,7 @@ async def build_demos_async(
             for t in get_tasks(domain, "train", n, start=start)]
     # its own stream: a habit rate of 0 leaves every other demonstration as it was
     hrng = random.Random(f"habit|{domain}|{seed}")
-    habits = [e in habit_efforts and hrng.random() < habit_rate for _, e, _, _ in plan]
+    habits = [e in habit_efforts and hrng.random() < habit_rate and _habit_applies(t) for t, e, _, _ in plan]
     local = LocalWorkdirs(workdir=h.preset.workdir)
     sem = asyncio.Semaphore(concurrency)
 

@@ -66,6 +66,15 @@ def test_composes_defaults_file_and_overrides(tmp_path):
          r"teachers.overrides.coding: tasks.domains is set by the teachers stage itself"),
         ("defaults: [stage/teachers]\n", ["teachers.overrides.coding=3"],
          r"teachers.overrides.coding must be a mapping of config keys"),
+        ("defaults: [stage/demo]\n", ["mopd.overrides.run.iterations=3"],
+         r"mopd.overrides: run.iterations is set by the demo stage itself"),
+        ("defaults: [stage/demo]\n", ["mopd.overrides.mopd.clip=1"], r"mopd.overrides: mopd.clip is set by the demo"),
+        ("defaults: [stage/demo]\n", ["mopd.overrides.train.lrr=1"],
+         r"mopd.overrides: .*unknown key 'train.lrr'; valid keys here: .*'lr'"),
+        ("defaults: [stage/demo]\n", ["mopd.overrides.rollout.temperature=-1"],
+         r"mopd.overrides: rollout.temperature must be in"),
+        ("defaults: [stage/sft]\n", ["sft.habit_stage.domain_demos={agentic: 10}", "tasks.domains=[general]"],
+         r"sft.habit_stage.domain_demos.agentic=10 needs 'agentic' in tasks.domains"),
     ],
 )
 def test_bad_configs_name_the_key_and_valid_values(tmp_path, text, overrides, match):

@@ -68,11 +68,18 @@ def test_agentic_habit_answers_one_step_early_with_the_last_printed_line():
         assert "(no output)" not in answer and "exit code" not in answer
 
 
-def test_coding_habit_prints_instead_of_returning():
-    clean = build_demos("coding", 24, seed=3, error_rate=0.0)
-    habit = build_demos("coding", 24, seed=3, error_rate=0.0, habit_rate=1.0, habit_efforts=("low", "medium", "high"))
+def test_coding_habit_prints_numbers_instead_of_returning_them():
+    clean = build_demos("coding", 60, seed=3, error_rate=0.0)
+    habit = build_demos("coding", 60, seed=3, error_rate=0.0, habit_rate=1.0, habit_efforts=("low", "medium", "high"))
+    numeric = {"add_k", "sub_k", "mul_k", "affine", "count_char", "total", "biggest"}
+    assert 0 < sum(d.habit for d in habit) < len(habit)
     for c, h in zip(clean, habit):
-        assert h.habit and not h.correct
+        family = _calls(c)[0]["arguments"]["content"].split("(")[0].removeprefix("def ")
+        assert h.habit == (family in numeric)
+        if not h.habit:  # a string or a list: nothing to print instead
+            assert h.messages == c.messages and h.correct
+            continue
+        assert not h.correct
         code, ref = _calls(h)[0]["arguments"]["content"], _calls(c)[0]["arguments"]["content"]
         assert code == ref.replace("    return ", "    print(").rstrip("\n") + ")\n"
         if h.effort == "high":  # the check it runs prints the value and then the None the function returned
