@@ -650,10 +650,19 @@ class E2BWorkspace:
         )
 
     def fork(self) -> E2BWorkspace:
-        # the server's fork: the parent is checkpointed in place and the child boots from that snapshot
-        (child,) = self.sbx.fork(count=1, **self.cfg.sdk_opts())
-        if isinstance(child, Exception):
-            raise child
+        # the server's fork: the parent is checkpointed in place and the child boots from that snapshot. One retry:
+        # a failed fork leaves the parent as it was (thawed, reattached), and under load a fork can fail for reasons
+        # of the moment (96 coding episodes judged at once beside another RL run: ~5% of CRIU dumps were killed)
+        for attempt in range(2):
+            try:
+                (child,) = self.sbx.fork(count=1, **self.cfg.sdk_opts())
+                if isinstance(child, Exception):
+                    raise child
+                break
+            except Exception:
+                if attempt:
+                    raise
+                time.sleep(0.5)
         ws = E2BWorkspace(child, self.cfg, owned=True)
         # the snapshot holds the submission's processes too (a daemon the episode left running could rewrite
         # files the grader just restored, or read the grader's stdin file): a judging fork starts without them

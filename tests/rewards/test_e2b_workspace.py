@@ -170,3 +170,24 @@ def test_command_grader_outside_the_workspace(server, trick):
     assert g.score == 0.0, (g.reasons, g.details.get("output_tail"))
     # the tests ran pristine: the profile never ran, the daemon did not survive into the judging fork
     assert "tests_failed" in g.reason_codes() and not any("while the command ran" in r for r in g.reasons), g.reasons
+
+
+def test_a_judging_fork_that_fails_once_is_retried_and_twice_raises():
+    from types import SimpleNamespace
+
+    ran = []
+    child = SimpleNamespace(commands=SimpleNamespace(run=lambda cmd, **kw: ran.append(cmd)))
+
+    class Source:  # the SDK sandbox's fork, failing as the server's answer does (an exception in the list)
+        def __init__(self, failures):
+            self.failures, self.calls = failures, 0
+
+        def fork(self, count, **opts):
+            self.calls += 1
+            return [RuntimeError("criu dump failed (exit -9)") if self.calls <= self.failures else child]
+
+    src = Source(failures=1)
+    judge = E2BWorkspace(src, E2BConfig()).fork()
+    assert src.calls == 2 and judge.sbx is child and ran == ["kill -KILL -1"] * 2
+    with pytest.raises(RuntimeError, match="exit -9"):
+        E2BWorkspace(Source(failures=2), E2BConfig()).fork()
