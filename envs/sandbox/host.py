@@ -459,7 +459,14 @@ async def ensure_disk(reaper: Reaper, image: Path, mountpoint: Path, size_gb: in
 
 
 async def release_disk(reaper: Reaper, mountpoint: Path) -> None:
+    """Unmount the image, first giving its free space back to the host: the sparse image keeps every block it ever
+    wrote (layers, uppers and CRIU images of sandboxes long gone) until a discard punches the holes, and one RL
+    run's server left 3-7 GB behind (a demo's ten, 27 GB); after the trim it keeps what is still stored."""
     if mounted(mountpoint):
+        # deleted subvolumes are freed by btrfs's cleaner in the background: wait for it, then trim
+        await reaper.run(["/usr/bin/btrfs", "filesystem", "sync", str(mountpoint)], check=False)  # commit: wakes it
+        await reaper.run(["/usr/bin/btrfs", "subvolume", "sync", str(mountpoint)], check=False, timeout=300)
+        await reaper.run(["/usr/sbin/fstrim", str(mountpoint)], check=False)
         await reaper.run(["/usr/bin/umount", str(mountpoint)], check=False)
 
 
