@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,17 @@ def pytest_unconfigure(config):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _no_reaper_left():
+    """A sandbox ``Manager`` built in the test process starts a thread that reaps every child (envs/sandbox/host.py,
+    ``Reaper``): every later subprocess would lose its exit status (asyncio reports 255, torch's spawn ``None``), and
+    tests far from the one at fault would fail. Managers belong in server processes; this names the test that
+    left one behind."""
+    yield
+    assert not any(t.name == "reaper" for t in threading.enumerate()), (
+        "this test left a sandbox Reaper thread in the test process; build Managers in a subprocess")
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -133,32 +135,49 @@ def test_boot_reads_its_pipe_without_a_thread_and_a_timed_out_read_reads_nothing
     asyncio.run(go())
 
 
+MAX_STARTING_CHECK = """
+import asyncio, os, sys
+from pathlib import Path
+from envs.sandbox.runtime import Live, Manager
+
+state = Path(sys.argv[1])
+m = Manager(state / "state", max_starting=3)
+assert Manager(state / "other").max_starting == max(4, 2 * (os.cpu_count() or 1))
+try:
+    Manager(state / "bad", max_starting=-2)
+    raise SystemExit("max_starting=-2 was accepted")
+except ValueError as e:
+    assert "max_starting must be >= 1" in str(e), e
+now, peak = 0, 0
+
+async def start(live, image):  # stands in for the boot only: what is under test is who may start when
+    global now, peak
+    now += 1
+    peak = max(peak, now)
+    await asyncio.sleep(0.01)
+    now -= 1
+
+m._start = start
+
+async def go():
+    await asyncio.gather(*(m._launch(Live(None)) for _ in range(40)))
+
+asyncio.run(go())
+print(peak, now)
+"""
+
+
 def test_starts_wait_their_turn_beyond_max_starting(tmp_path):
     """At most ``max_starting`` sandboxes boot or restore at once (``Manager._launch``); the rest wait for a slot,
     so each start's own timeouts measure that start. Without the limit, 256 creates side by side on two busy cores
-    failed a quarter to a half of them at bwrap's 10-s report timeout (docs/sandbox.md, "Starting many at once")."""
-    from envs.sandbox.runtime import Live, Manager
+    failed a quarter to a half of them at bwrap's 10-s report timeout (docs/sandbox.md, "Starting many at once").
 
-    m = Manager(tmp_path / "state", max_starting=3)
-    assert Manager(tmp_path / "other").max_starting == max(4, 2 * (os.cpu_count() or 1))
-    with pytest.raises(ValueError, match="max_starting must be >= 1"):
-        Manager(tmp_path / "bad", max_starting=-2)
-    now, peak = 0, 0
-
-    async def start(live, image):  # stands in for the boot only: what is under test is who may start when
-        nonlocal now, peak
-        now += 1
-        peak = max(peak, now)
-        await asyncio.sleep(0.01)
-        now -= 1
-
-    m._start = start
-
-    async def go():
-        await asyncio.gather(*(m._launch(Live(None)) for _ in range(40)))
-
-    asyncio.run(go())
-    assert peak == 3 and now == 0
+    In a process of its own: a Manager makes its process a child subreaper whose thread reaps *every* child, which
+    in the test process would take the exit statuses of every later test's subprocesses (asyncio reports 255)."""
+    r = subprocess.run([sys.executable, "-c", MAX_STARTING_CHECK, str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["3", "0"], r.stdout  # the peak is the limit, and every start finished
 
 
 def test_a_stopped_server_gives_its_disk_images_free_space_back(tmp_path, server_factory):
