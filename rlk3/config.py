@@ -224,6 +224,17 @@ def _fragment(name: str) -> DictConfig:
     return OmegaConf.load(path)
 
 
+def _compose(cfg, name: str, seen: tuple[str, ...] = ()):
+    """``cfg`` with the fragment ``name`` merged on, its own ``defaults`` first: a run config can build on another
+    (``defaults: [sft-tiny]``)."""
+    if name in seen:
+        raise ConfigError(f"defaults: {' -> '.join((*seen, name))} is a cycle")
+    frag = _fragment(name)
+    for inner in list(frag.pop("defaults", []) or []):
+        cfg = _compose(cfg, str(inner), (*seen, name))
+    return _merge(cfg, frag, f"configs/{name}.yaml")
+
+
 def _merge(base: DictConfig, extra: DictConfig | dict, where: str) -> DictConfig:
     try:
         return OmegaConf.merge(base, extra)
@@ -251,7 +262,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         user = OmegaConf.load(path)
         defaults = list(user.pop("defaults", []) or [])
         for name in defaults:
-            cfg = _merge(cfg, _fragment(str(name)), f"configs/{name}.yaml")
+            cfg = _compose(cfg, str(name))
         cfg = _merge(cfg, user, str(path))
     for item in overrides or []:
         if "=" not in item:

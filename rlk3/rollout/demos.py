@@ -5,8 +5,8 @@ effort: the harness's system prompt (effort and budget lines included), the task
 tool calls are written in the preset's syntax, *parsed back* by the harness (so every demonstrated call is one
 the agent loop would accept) and *executed* to get real tool results. Effort changes how much the agent
 reasons: every step explained (high), only the plan (medium), nothing (low) — and for arithmetic, every
-intermediate total, two operations per line, or none; for agentic tool use, low effort also chains commands
-(``sh run.txt``; the fix and its re-check in one call), one call fewer than the step-by-step efforts.
+intermediate total, two operations per line, or none. Agentic demonstrations at ``terse_efforts`` (none by default)
+also chain commands (``sh run.txt``; the fix and its re-check in one call), one call fewer than step by step.
 
 Demonstrations are imperfect on purpose, so SFT gives RL a base with headroom, as in the write-up's SFT → RL
 pipeline. Two kinds: random errors (``error_rate``: an arithmetic slip, a mistyped answer, an off-by-one constant),

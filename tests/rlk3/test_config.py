@@ -2,7 +2,7 @@
 
 import pytest
 
-from rlk3.config import ConfigError, load_config
+from rlk3.config import CONFIG_DIR, ConfigError, load_config
 
 
 def write(tmp_path, text):
@@ -80,6 +80,21 @@ def test_composes_defaults_file_and_overrides(tmp_path):
 def test_bad_configs_name_the_key_and_valid_values(tmp_path, text, overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config(write(tmp_path, text), overrides)
+
+
+def test_a_run_config_builds_on_another(tmp_path):
+    cfg = load_config(CONFIG_DIR / "sft-demo.yaml")
+    tiny = load_config(CONFIG_DIR / "sft-tiny.yaml")
+    assert cfg.run.name == "sft-demo" and cfg.sft.epochs == tiny.sft.epochs
+    assert cfg.model.overrides == tiny.model.overrides
+    assert set(cfg.sft.habit_stage.domain_demos) == {"general", "agentic", "coding"}
+    assert dict(tiny.sft.habit_stage.domain_demos) == {"general": 1200}  # make test's checkpoint: general only
+    (CONFIG_DIR / "_cycle_test.yaml").write_text("defaults: [_cycle_test]\n")
+    try:
+        with pytest.raises(ConfigError, match=r"_cycle_test -> _cycle_test is a cycle"):
+            load_config(write(tmp_path, "defaults: [_cycle_test]\n"))
+    finally:
+        (CONFIG_DIR / "_cycle_test.yaml").unlink()
 
 
 def test_every_fragment_loads(tmp_path):

@@ -33,7 +33,10 @@ def test_demo_pipeline_at_toy_scale(general_policy, tmp_path):
         # configs/demo.yaml's general teachers at toy scale too; general/low's own entry is applied over them
         "teachers.overrides.general.rollout.groups_per_iteration=2", "teachers.overrides.general.rollout.group_size=2",
         "teachers.overrides.general.rollout.max_new_tokens=48", "teachers.overrides.general.run.iterations=1",
-        "teachers.overrides.general/high.run.iterations=1", "teachers.overrides.general/low.run.iterations=2"])
+        "teachers.overrides.general/high.run.iterations=1", "teachers.overrides.general/low.run.iterations=2",
+        *(f"teachers.overrides.{d}.{k}" for d in ("agentic", "coding", "agentic/high", "coding/high")
+          for k in ("rollout.groups_per_iteration=2", "rollout.group_size=2", "run.iterations=1")),
+        "mopd.overrides.rollout.groups_per_iteration=2", "mopd.overrides.rollout.group_size=2"])
     lines = []
     try:
         report = run_demo(cfg, log=lines.append)
@@ -58,6 +61,8 @@ def test_demo_pipeline_at_toy_scale(general_policy, tmp_path):
     assert len(ev["models"][0]["slices"]) == 9 and len(ev["models"][-1]["slices"]) == 9
     student_rows = [json.loads(x) for x in (root / "student/metrics.jsonl").read_text().splitlines()]
     assert student_rows[0]["stage"] == "mopd" and any(k.startswith("kl/") for k in student_rows[0])
+    # mopd.overrides applied: 2 x 2 samples a step, lr 1e-4 a third of the way through its 3 warm-up steps
+    assert student_rows[0]["samples"] == 4 and student_rows[0]["train/lr"] == pytest.approx(1e-4 / 3)
     assert report.name == "report.md" and report.exists()
     assert len(list(report.parent.glob("*.png"))) >= 3
     assert any("general" in x and "low" in x for x in lines)  # the slice table was printed
