@@ -147,14 +147,15 @@ def _evaluate_model(job) -> tuple[dict, int, float]:
 def run_demo(cfg, log=print) -> Path:
     """SFT → nine teachers → MOPD → eval + report on the embedded default."""
     from rlk3.cluster.driver import run_rl
+    from rlk3.rollout.agent_loop import LoopConfig
     from rlk3.train.sft import run_sft
 
     root = Path(cfg.run.output_dir)
     t0 = time.time()
     sft = Path(cfg.model.init_from) if cfg.model.init_from else None
     if sft is None or not (sft / "config.json").exists():
-        # configs/sft-demo.yaml: the recipe of configs/sft-tiny.yaml, its one thread included (two were 160 s faster
-        # and a different checkpoint), then a closing stage with a habit for each domain's teachers to correct
+        # configs/sft-demo.yaml: the recipe of configs/sft-tiny.yaml on both cores, then a closing stage with a habit
+        # for each domain's teachers to correct
         sft_cfg = load_config(CONFIG_DIR / "sft-demo.yaml", [f"run.output_dir={root / 'sft'}", "run.stage=sft"])
         threads = torch.get_num_threads()
         _setup(sft_cfg)
@@ -163,18 +164,25 @@ def run_demo(cfg, log=print) -> Path:
     log(f"demo: SFT ready ({time.time() - t0:.0f}s)")
     teachers = run_teachers(derive(cfg, {"run.stage": "teachers", "run.output_dir": str(root)}), str(sft), log=log)
     log(f"demo: nine teachers ready ({time.time() - t0:.0f}s)")
-    student = run_rl(derive(cfg, {**student_changes(cfg),
-                                  "run.stage": "mopd", "run.name": "student", "run.output_dir": str(root / "student"),
-                                  "tasks.domains": list(DOMAINS), "model.init_from": str(sft),
-                                  "mopd.teachers": teachers, "effort.budget_start": 0,
-                                  "run.iterations": cfg.mopd.iterations}), log=log)
-    log(f"demo: student ready ({time.time() - t0:.0f}s)")
-    manifest = root / "manifest.json"
-    manifest.write_text(json.dumps({"sft": str(sft), "teachers": teachers, "student": str(student),
-                                    "runs": [str(Path(p).parent) for p in teachers.values()]
-                                    + [str(Path(student).parent)], "heldout": heldout_sizes(cfg),
-                                    "loop": eval_loop(cfg)}, indent=2))
-    report = run_eval(manifest, log=log)
+    # the base and the teachers are evaluated while the student trains (Evaluation); results do not depend on it
+    with Evaluation(tasks_per_slice(heldout_sizes(cfg)), LoopConfig(temperature=0.0, **eval_loop(cfg)),
+                    log=log) as evaluation:
+        for model in manifest_models({"sft": str(sft), "teachers": teachers}):
+            evaluation.add(*model)
+        log(f"demo: evaluating the SFT base and {len(teachers)} teachers while the student trains")
+        student = run_rl(derive(cfg, {**student_changes(cfg),
+                                      "run.stage": "mopd", "run.name": "student",
+                                      "run.output_dir": str(root / "student"),
+                                      "tasks.domains": list(DOMAINS), "model.init_from": str(sft),
+                                      "mopd.teachers": teachers, "effort.budget_start": 0,
+                                      "run.iterations": cfg.mopd.iterations}), log=log)
+        log(f"demo: student ready ({time.time() - t0:.0f}s)")
+        manifest = root / "manifest.json"
+        manifest.write_text(json.dumps({"sft": str(sft), "teachers": teachers, "student": str(student),
+                                        "runs": [str(Path(p).parent) for p in teachers.values()]
+                                        + [str(Path(student).parent)], "heldout": heldout_sizes(cfg),
+                                        "loop": eval_loop(cfg)}, indent=2))
+        report = run_eval(manifest, log=log, started=evaluation)
     log(f"demo: done in {time.time() - t0:.0f}s; report: {report}")
     return report
 
@@ -186,54 +194,108 @@ def eval_loop(cfg) -> dict:
             "max_context_tokens": cfg.rollout.max_total_tokens}
 
 
-def run_eval(manifest_path: str | Path, n: int | None = None, log=print, workers: int | None = None) -> Path:
+class Evaluation:
+    """Models evaluated side by side on the held-out slices: greedy pass@1 in the agent loop, each model in its own
+    process with one torch thread (``workers``: models at once; None: one per core, at most 4; 1: each in this process,
+    at its thread count, as it is added). A model can be added while others run: the demo adds the SFT base and the
+    teachers as soon as they exist, so they are evaluated while the student trains (its rollouts are one process and
+    leave the other core idle), and the student when it is done. A teacher is evaluated on its own domain's slices
+    (all efforts: the ordering of tokens by effort is read there); the base and the student on all nine."""
+
+    KINDS = ("sft", "teacher", "student")
+
+    def __init__(self, tasks_per_slice: dict[str, int], loop, workers: int | None = None, log=print) -> None:
+        self.n, self.loop, self.log = tasks_per_slice, loop, log
+        self.workers = workers or min(os.cpu_count() or 1, 4)
+        # k3-tiny's small ops use one core poorly (and two threads beside a busy process spin), so models run side by
+        # side at one thread each
+        self.pool = None if self.workers == 1 else concurrent.futures.ProcessPoolExecutor(
+            self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=torch.set_num_threads,
+            initargs=(1,))
+        self.kinds: dict[str, str] = {}
+        self.entries: dict[str, dict] = {}
+        self.running: dict[concurrent.futures.Future, str] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.kinds
+
+    def add(self, name: str, kind: str, domain: str | None, effort: str | None, path: str) -> None:
+        if kind not in self.KINDS or name in self.kinds:
+            raise ValueError(f"model {name!r} ({kind!r}): kinds are {self.KINDS}, each name added once")
+        self.kinds[name] = kind
+        slices = [(d, e, DEFAULT_BUDGETS[e]) for d in DOMAINS for e in EFFORTS if domain is None or d == domain]
+        job = (name, kind, domain, effort, path, slices, self.n, self.loop)
+        if self.pool is None:
+            self._done(*_evaluate_model(job))
+        else:
+            self.running[self.pool.submit(_evaluate_model, job)] = name
+
+    def _done(self, entry: dict, bad: int, seconds: float) -> None:
+        name = entry["name"]
+        self.entries[name] = entry
+        if bad:
+            self.log(f"eval: WARNING {name}: {bad} episodes' graders raised (scored as fails; the grader or its "
+                     "sandboxes are broken, so these pass rates understate the model)")
+        self.log(f"eval: {name} on {len(entry['slices'])} slices x "
+                 f"{sorted({self.n[s['domain']] for s in entry['slices']})} tasks in {seconds:.0f}s")
+
+    def results(self) -> dict:
+        """Waits for every model added; eval.json's content: the base, the teachers by name, then the student."""
+        for future in concurrent.futures.as_completed(self.running):
+            self._done(*future.result())
+        self.running.clear()
+        order = sorted(self.kinds, key=lambda name: (self.KINDS.index(self.kinds[name]), name))
+        return {"models": [self.entries[name] for name in order]}
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+
+    def __enter__(self) -> Evaluation:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def manifest_models(m: dict) -> list[tuple[str, str, str | None, str | None, str]]:
+    """(name, kind, domain, effort, checkpoint) of every model a run manifest names, the longest to evaluate (all
+    nine slices) first, so that no long one runs alone at the end."""
+    models = [("sft", "sft", None, None, m["sft"])]
+    if m.get("student"):
+        models.append(("student", "student", None, None, m["student"]))
+    for key, path in sorted(m.get("teachers", {}).items()):
+        d, e = key.split("/")
+        models.append((f"teacher-{d}-{e}", "teacher", d, e, path))
+    return models
+
+
+def tasks_per_slice(heldout, n: int | None = None) -> dict[str, int]:
+    """Held-out tasks per slice for each domain: ``n`` for all, else a manifest's ``heldout`` (per domain, or one count
+    for every domain in older manifests)."""
+    return {d: n or (int(heldout[d]) if isinstance(heldout, dict) else int(heldout)) for d in DOMAINS}
+
+
+def run_eval(manifest_path: str | Path, n: int | None = None, log=print, workers: int | None = None,
+             started: Evaluation | None = None) -> Path:
     """Evaluate the SFT base, every teacher and the student on every (domain, effort) slice of the held-out split;
     write eval.json and the report (report.md + plots) beside the manifest; print the slice and acceptance tables.
-    ``n`` (tasks per slice) overrides the manifest's per-domain counts. ``workers``: models evaluated at once, each in
-    its own process with one torch thread (None: one per core, at most 4; 1: in this process, at its thread count)."""
+    ``n`` (tasks per slice) overrides the manifest's per-domain counts; ``workers`` as :class:`Evaluation`'s.
+    ``started``: an evaluation already running some of the manifest's models (the demo's); the rest are added."""
     from rlk3.report import acceptance_summary, slice_table, write_report
     from rlk3.rollout.agent_loop import LoopConfig
 
     manifest_path = Path(manifest_path)
     m = json.loads(manifest_path.read_text())
-    held = m.get("heldout", 40)  # older manifests: one count for every domain
-    n = {d: n or (int(held[d]) if isinstance(held, dict) else int(held)) for d in DOMAINS}
     loop = LoopConfig(temperature=0.0, **m["loop"]) if m.get("loop") else None  # older manifests: the defaults
-    slices = [(d, e, DEFAULT_BUDGETS[e]) for d in DOMAINS for e in EFFORTS]
-    models = [("sft", "sft", None, None, m["sft"])]
-    for key, path in sorted(m.get("teachers", {}).items()):
-        d, e = key.split("/")
-        models.append((f"teacher-{d}-{e}", "teacher", d, e, path))
-    if m.get("student"):
-        models.append(("student", "student", None, None, m["student"]))
-    # a teacher is evaluated on its own domain (all efforts: the ordering of tokens by effort is read there)
-    jobs = [(name, kind, d, e, path, [s for s in slices if d is None or s[0] == d], n, loop)
-            for name, kind, d, e, path in models]
-    workers = workers or min(os.cpu_count() or 1, 4, len(jobs))
-    entries: dict[str, dict] = {}
-
-    def done(entry: dict, bad: int, seconds: float) -> None:
-        name = entry["name"]
-        entries[name] = entry
-        if bad:
-            log(f"eval: WARNING {name}: {bad} episodes' graders raised (scored as fails; the grader or its "
-                "sandboxes are broken, so these pass rates understate the model)")
-        log(f"eval: {name} on {len(entry['slices'])} slices x {sorted({n[s['domain']] for s in entry['slices']})} "
-            f"tasks in {seconds:.0f}s")
-
-    if workers == 1:
-        for job in jobs:
-            done(*_evaluate_model(job))
-    else:
-        # k3-tiny's small ops use one core poorly (and two threads beside a busy process spin), so models run side by
-        # side at one thread each; the longest (all nine slices) start first, so no long one runs alone at the end
-        order = sorted(jobs, key=lambda job: -len(job[5]))
-        ctx = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=torch.set_num_threads,
-                                                    initargs=(1,)) as pool:
-            for future in concurrent.futures.as_completed([pool.submit(_evaluate_model, job) for job in order]):
-                done(*future.result())
-    out = {"models": [entries[job[0]] for job in jobs]}
+    ev = started or Evaluation(tasks_per_slice(m.get("heldout", 40), n), loop, workers, log)
+    try:
+        for model in manifest_models(m):
+            if model[0] not in ev:
+                ev.add(*model)
+        out = ev.results()
+    finally:
+        ev.close()
     eval_path = manifest_path.parent / "eval.json"
     eval_path.write_text(json.dumps(out, indent=2))
     log(slice_table(out))

@@ -52,6 +52,9 @@ def test_demo_pipeline_at_toy_scale(general_policy, tmp_path):
         assert man["domains"] == [key.split("/")[0]] and man["effort"] == key.split("/")[1]
         assert man["budget"] == DEFAULT_BUDGETS[man["effort"]]  # each teacher ends at its effort's budget
     assert any("teacher-general-medium from" in x and "teacher-general-high" in x for x in lines)
+    # the base and the teachers are evaluated beside the student's training, not after it
+    assert lines.index("demo: evaluating the SFT base and 9 teachers while the student trains") < next(
+        i for i, x in enumerate(lines) if x.startswith("demo: student ready"))
     assert f"teachers: 9 runs, {min(cpus, 9)} at a time" in lines  # as many as the local head's CPUs hold
     iterations = {k: len((Path(p).parent / "metrics.jsonl").read_text().splitlines()) for k, p in teachers.items()}
     assert iterations == {k: 2 if k == "general/low" else 1 for k in teachers}  # teachers.overrides applied
@@ -70,3 +73,9 @@ def test_demo_pipeline_at_toy_scale(general_policy, tmp_path):
     man = json.loads((root / "manifest.json").read_text())
     assert man["heldout"] == {"general": 3, "agentic": 2, "coding": 2} and man["loop"]["max_turns"] == 2
     assert [s["n"] for s in ev["models"][0]["slices"]] == [3, 3, 3, 2, 2, 2, 2, 2, 2]
+    # `python -m rlk3 eval` of the manifest, one model after another in this process: the same eval.json as the
+    # demo's, whose base and teachers were evaluated beside the student's training
+    from rlk3.pipeline import run_eval
+
+    run_eval(root / "manifest.json", log=lambda _: None, workers=1)
+    assert json.loads((root / "eval.json").read_text()) == ev
