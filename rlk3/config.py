@@ -1,8 +1,9 @@
 """rlk3's configuration: omegaconf structured configs, composed and validated before anything is allocated.
 
 A run config is a YAML file whose ``defaults`` list names fragments under ``configs/`` (``base``, ``model/…``,
-``domain/…``, ``effort/…``, ``stage/…``), merged in order, then the file's own keys, then ``key=value``
-overrides from the command line. The schema below is the whole vocabulary: an unknown key anywhere is an
+``domain/…``, ``effort/…``, ``stage/…``, or another run config: ``configs/sft-demo.yaml`` is ``defaults: [sft-tiny]``
+plus its own keys), merged in order, each fragment's own ``defaults`` first, then the file's own keys, then
+``key=value`` overrides from the command line. The schema below is the whole vocabulary: an unknown key anywhere is an
 error naming it and the valid keys at that level; every value is range-checked with a message naming the key,
 the bad value and what would be valid.
 """
