@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import multiprocessing
 import os
@@ -147,7 +148,6 @@ def _evaluate_model(job) -> tuple[dict, int, float]:
 def run_demo(cfg, log=print) -> Path:
     """SFT → nine teachers → MOPD → eval + report on the embedded default."""
     from rlk3.cluster.driver import run_rl
-    from rlk3.rollout.agent_loop import LoopConfig
     from rlk3.train.sft import run_sft
 
     root = Path(cfg.run.output_dir)
@@ -164,10 +164,10 @@ def run_demo(cfg, log=print) -> Path:
     log(f"demo: SFT ready ({time.time() - t0:.0f}s)")
     teachers = run_teachers(derive(cfg, {"run.stage": "teachers", "run.output_dir": str(root)}), str(sft), log=log)
     log(f"demo: nine teachers ready ({time.time() - t0:.0f}s)")
+    manifest = {"sft": str(sft), "teachers": teachers, "heldout": heldout_sizes(cfg), "loop": eval_loop(cfg)}
     # the base and the teachers are evaluated while the student trains (Evaluation); results do not depend on it
-    with Evaluation(tasks_per_slice(heldout_sizes(cfg)), LoopConfig(temperature=0.0, **eval_loop(cfg)),
-                    log=log) as evaluation:
-        for model in manifest_models({"sft": str(sft), "teachers": teachers}):
+    with Evaluation.of_manifest(manifest, log=log) as evaluation:
+        for model in manifest_models(manifest):
             evaluation.add(*model)
         log(f"demo: evaluating the SFT base and {len(teachers)} teachers while the student trains")
         student = run_rl(derive(cfg, {**student_changes(cfg),
@@ -177,12 +177,10 @@ def run_demo(cfg, log=print) -> Path:
                                       "mopd.teachers": teachers, "effort.budget_start": 0,
                                       "run.iterations": cfg.mopd.iterations}), log=log)
         log(f"demo: student ready ({time.time() - t0:.0f}s)")
-        manifest = root / "manifest.json"
-        manifest.write_text(json.dumps({"sft": str(sft), "teachers": teachers, "student": str(student),
-                                        "runs": [str(Path(p).parent) for p in teachers.values()]
-                                        + [str(Path(student).parent)], "heldout": heldout_sizes(cfg),
-                                        "loop": eval_loop(cfg)}, indent=2))
-        report = run_eval(manifest, log=log, started=evaluation)
+        manifest |= {"student": str(student),
+                     "runs": [str(Path(p).parent) for p in [*teachers.values(), student]]}
+        (root / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        report = run_eval(root / "manifest.json", log=log, started=evaluation)
     log(f"demo: done in {time.time() - t0:.0f}s; report: {report}")
     return report
 
@@ -206,15 +204,24 @@ class Evaluation:
 
     def __init__(self, tasks_per_slice: dict[str, int], loop, workers: int | None = None, log=print) -> None:
         self.n, self.loop, self.log = tasks_per_slice, loop, log
-        self.workers = workers or min(os.cpu_count() or 1, 4)
+        workers = workers or min(os.cpu_count() or 1, 4)
         # k3-tiny's small ops use one core poorly (and two threads beside a busy process spin), so models run side by
         # side at one thread each
-        self.pool = None if self.workers == 1 else concurrent.futures.ProcessPoolExecutor(
-            self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=torch.set_num_threads,
+        self.pool = None if workers == 1 else concurrent.futures.ProcessPoolExecutor(
+            workers, mp_context=multiprocessing.get_context("spawn"), initializer=torch.set_num_threads,
             initargs=(1,))
         self.kinds: dict[str, str] = {}
         self.entries: dict[str, dict] = {}
         self.running: dict[concurrent.futures.Future, str] = {}
+
+    @classmethod
+    def of_manifest(cls, m: dict, n: int | None = None, workers: int | None = None, log=print) -> Evaluation:
+        """For a run manifest's models: its held-out counts (``n`` for every domain instead) and the agent loop's
+        limits the runs trained under, greedy (older manifests: one count for every domain, the loop's defaults)."""
+        from rlk3.rollout.agent_loop import LoopConfig
+
+        loop = LoopConfig(temperature=0.0, **m["loop"]) if m.get("loop") else None
+        return cls(tasks_per_slice(m.get("heldout", 40), n), loop, workers, log)
 
     def __contains__(self, name: str) -> bool:
         return name in self.kinds
@@ -283,19 +290,14 @@ def run_eval(manifest_path: str | Path, n: int | None = None, log=print, workers
     ``n`` (tasks per slice) overrides the manifest's per-domain counts; ``workers`` as :class:`Evaluation`'s.
     ``started``: an evaluation already running some of the manifest's models (the demo's); the rest are added."""
     from rlk3.report import acceptance_summary, slice_table, write_report
-    from rlk3.rollout.agent_loop import LoopConfig
 
     manifest_path = Path(manifest_path)
     m = json.loads(manifest_path.read_text())
-    loop = LoopConfig(temperature=0.0, **m["loop"]) if m.get("loop") else None  # older manifests: the defaults
-    ev = started or Evaluation(tasks_per_slice(m.get("heldout", 40), n), loop, workers, log)
-    try:
-        for model in manifest_models(m):
+    with contextlib.nullcontext(started) if started else Evaluation.of_manifest(m, n, workers, log) as ev:
+        for model in manifest_models(m):  # the caller's evaluation is the caller's to close
             if model[0] not in ev:
                 ev.add(*model)
         out = ev.results()
-    finally:
-        ev.close()
     eval_path = manifest_path.parent / "eval.json"
     eval_path.write_text(json.dumps(out, indent=2))
     log(slice_table(out))
