@@ -86,6 +86,9 @@ class SFTConfig:
     max_length: int = 384
     warmup_ratio: float = 0.05
     demo_error_rate: float = 0.15  # demonstrations are imperfect on purpose: RL needs headroom
+    # agentic thoughts reason each step through (what the last output said, what follows) instead of naming the move:
+    # high effort's agentic demonstrations then take ~2.7x low's tokens, not ~1.4x (docs/sft.md, "Worked thoughts")
+    worked_thoughts: bool = False
     habit_stage: HabitStageConfig = field(default_factory=lambda: HabitStageConfig())
     vocab_size: int = 4096  # the tokenizer trained on the demonstrations (k3-tiny's vocab)
 

@@ -32,6 +32,9 @@ class Step:
     tool: str  # a harness tool kind: shell, read, write, submit, ...
     args: dict
     thought: str = ""
+    # the same step reasoned through: what the last output said, what follows, what this call is for (the
+    # demonstrations' worked thoughts, rlk3.rollout.demos); empty: the thought is all there is
+    worked: str = ""
 
 
 Made = tuple[str, dict[str, str], str, list[Step], list[Step]]  # prompt, files, answer, solution, terse solution
@@ -43,19 +46,25 @@ def _lookup(rng: random.Random) -> Made:
     for i, s in enumerate(svcs):
         cfg = f"configs/c{rng.randint(10, 99)}{i}.ini"
         port = rng.randint(1024, 9999)
-        ports[s] = (cfg, port)
         lines.append(f"{s} -> {cfg}")
         host = f"10.0.{rng.randint(0, 9)}.{rng.randint(1, 250)}"
+        ports[s] = (cfg, port, host)
         files[cfg] = f"host = {host}\nport = {port}\nworkers = {rng.randint(1, 16)}\n"
     files["services.txt"] = "\n".join(lines) + "\n"
     target = rng.choice(svcs)
-    cfg, port = ports[target]
+    cfg, port, host = ports[target]
     prompt = (f"Which port does the service '{target}' use? services.txt says which config file describes each "
               f"service. Give the port as your final answer.")
     steps = [
-        Step("shell", {"command": "cat services.txt"}, "First see which config file belongs to the service."),
-        Step("shell", {"command": f"cat {cfg}"}, f"{target} is described in {cfg}."),
-        Step("submit", {"answer": str(port)}, f"The config says port = {port}."),
+        Step("shell", {"command": "cat services.txt"}, "First see which config file belongs to the service.",
+             f"I need the port of {target}. services.txt says which config file describes each service, so I read "
+             f"it first, find the line for {target}, then read the file it names."),
+        Step("shell", {"command": f"cat {cfg}"}, f"{target} is described in {cfg}.",
+             f"services.txt has the line '{target} -> {cfg}'. So {target} is described in {cfg}, and its port is "
+             f"in that file, on the line that starts with port; I read it next."),
+        Step("submit", {"answer": str(port)}, f"The config says port = {port}.",
+             f"{cfg} has the lines 'host = {host}' and 'port = {port}'. The port line is the one I need: {target} "
+             f"uses port {port}, so I submit {port}."),
     ]
     terse = [Step("shell", {"command": f"cat $(grep '^{target} ' services.txt | cut -d' ' -f3)"}),
              Step("submit", {"answer": str(port)})]
@@ -78,9 +87,14 @@ def _run(rng: random.Random) -> Made:
     value = str((arg * a + b) % m)
     prompt = "Run the command written in run.txt and give the number it prints as your final answer."
     steps = [
-        Step("shell", {"command": "cat run.txt"}, "Read which command to run."),
-        Step("shell", {"command": f"python3 {path} {arg}"}, "Run exactly that command."),
-        Step("submit", {"answer": value}, f"It printed {value}."),
+        Step("shell", {"command": "cat run.txt"}, "Read which command to run.",
+             "run.txt holds the command to run. I read it first, then I run exactly that command, with the same "
+             "script and the same argument, and report the number it prints."),
+        Step("shell", {"command": f"python3 {path} {arg}"}, "Run exactly that command.",
+             f"run.txt says: python3 {path} {arg}. The script is {path}, not another one in tools, and its "
+             f"argument is {arg}; I run exactly that command."),
+        Step("submit", {"answer": value}, f"It printed {value}.",
+             f"The command python3 {path} {arg} printed {value}. That is the number it prints, so I submit {value}."),
     ]
     terse = [Step("shell", {"command": "sh run.txt"}), Step("submit", {"answer": value})]
     return prompt, files, value, steps, terse
@@ -105,10 +119,17 @@ def _fix(rng: random.Random) -> Made:
     prompt = ("The command 'python3 check.py' fails. Fix settings.ini so that it succeeds, run it again and "
               "give the line it prints as your final answer.")
     steps = [
-        Step("shell", {"command": "python3 check.py"}, "See why the check fails."),
-        Step("shell", {"command": f"sed -i 's/^mode = .*/mode = {right}/' settings.ini"}, f"It wants mode {right}."),
-        Step("shell", {"command": "python3 check.py"}, "Run the check again."),
-        Step("submit", {"answer": token}, "The check passes now."),
+        Step("shell", {"command": "python3 check.py"}, "See why the check fails.",
+             "check.py reads settings.ini and fails. I run it first to see what it wants, then I fix settings.ini, "
+             "run it again and report the line it prints."),
+        Step("shell", {"command": f"sed -i 's/^mode = .*/mode = {right}/' settings.ini"}, f"It wants mode {right}.",
+             f"The check says mode must be {right}, and settings.ini has mode = {wrong}. I set mode = {right} in "
+             f"settings.ini and leave its other lines as they are."),
+        Step("shell", {"command": "python3 check.py"}, "Run the check again.",
+             f"settings.ini now has mode = {right}, the mode the check asked for. I run the check again to see "
+             f"the line it prints."),
+        Step("submit", {"answer": token}, "The check passes now.",
+             f"The check printed '{token}'. It passes now with mode = {right}, so I submit that line."),
     ]
     terse = [steps[0], Step("shell", {"command": f"{steps[1].args['command']} && python3 check.py"}),
              Step("submit", {"answer": token})]

@@ -60,9 +60,11 @@ class Demo:
     habit: bool = False  # written with the domain's careless habit (HABITS)
 
 
-def _thought(effort: str, i: int, text: str) -> str | None:
+def _thought(effort: str, i: int, step, worked: bool = False) -> str | None:
+    """High effort reasons before every call, medium only before the first (the plan), low never. ``worked``: the
+    step's worked thought where it has one (agentic tasks), which restates what the last output said."""
     if effort == "high" or (effort == "medium" and i == 0):
-        return text
+        return (step.worked or step.thought) if worked else step.thought
     return None
 
 
@@ -112,7 +114,7 @@ def _last_line(messages: list[dict]) -> str:
 
 
 async def _agentic(task: Task, effort: str, h: Harness, budgets, err: bool, rng, local: LocalWorkdirs,
-                   habit: bool = False, terse: bool = False):
+                   habit: bool = False, terse: bool = False, worked: bool = False):
     if task.domain == "agentic":
         steps = agentic.solution(task, terse=terse)
     else:
@@ -138,13 +140,18 @@ async def _agentic(task: Task, effort: str, h: Harness, budgets, err: bool, rng,
         for i, step in enumerate(steps):
             args = dict(step.args)
             if habit and task.domain == "agentic" and i == len(steps) - 2:  # the last tool call, skipped
-                step = agentic.Step("submit", {"answer": _last_line(msgs)}, "That is the answer.")
+                last = _last_line(msgs)
+                step = agentic.Step("submit", {"answer": last}, "That is the answer.",
+                                    f"The output ends with {last}. That is the answer, so I submit {last}.")
                 args = dict(step.args)
                 correct = False
             if step.tool == "submit" and err and task.domain == "agentic" and not habit:
                 args["answer"] = _corrupt_answer(args["answer"], rng)
+                # a worked thought misreads the value it then submits, rather than contradicting its own call
+                step = agentic.Step(step.tool, step.args, step.thought,
+                                    step.worked.replace(step.args["answer"], args["answer"]))
                 correct = False
-            parsed = h.parse(h.assistant_text(_call_message(h, step.tool, args, _thought(effort, i, step.thought), i)))
+            parsed = h.parse(h.assistant_text(_call_message(h, step.tool, args, _thought(effort, i, step, worked), i)))
             if parsed.error or len(parsed.calls) != 1:
                 raise RuntimeError(f"{task.task_id}: the demonstrated call does not parse back: {parsed.error}")
             msgs.append(parsed.message())
@@ -172,11 +179,13 @@ async def build_demos_async(
     habit_rate: float = 0.0,
     habit_efforts: tuple[str, ...] = ("high",),
     terse_efforts: tuple[str, ...] = (),
+    worked_thoughts: bool = False,
 ) -> list[Demo]:
     """``n`` demonstrations on the first training tasks of ``domain``, each at an effort drawn uniformly (or by
     ``effort_weights``), a fraction ``error_rate`` of them wrong on purpose, and a fraction ``habit_rate`` of
     those at ``habit_efforts`` written with the domain's habit (:data:`HABITS`); agentic demonstrations at
-    ``terse_efforts`` chain commands (``agentic.solution(terse=True)``: one call fewer)."""
+    ``terse_efforts`` chain commands (``agentic.solution(terse=True)``: one call fewer); ``worked_thoughts``: agentic
+    thoughts reason each step through (``Step.worked``: what the last output said and what follows)."""
     budgets = budgets or DEFAULT_BUDGETS
     preset = preset or DOMAIN_PRESETS[domain]
     h = Harness(preset, tokenizer=tokenizer)
@@ -199,7 +208,8 @@ async def build_demos_async(
             if domain == "general":
                 msgs, ok = _general(task, effort, h, budgets, err, r, habit)
             else:
-                msgs, ok = await _agentic(task, effort, h, budgets, err, r, local, habit, effort in terse_efforts)
+                msgs, ok = await _agentic(task, effort, h, budgets, err, r, local, habit, effort in terse_efforts,
+                                          worked_thoughts)
             return Demo(task.task_id, domain, effort, preset, msgs, ok, habit)
 
     try:

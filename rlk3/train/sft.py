@@ -119,7 +119,8 @@ def habit_stage(cfg, model, tok, trainer_cls, args, log) -> dict:
         demos += build_demos(domain, n, tokenizer=tok, error_rate=0.0, seed=cfg.run.seed, start=start,
                              preset=DOMAIN_PRESETS[domain],
                              effort_weights=dict(hs.effort_weights) or {e: 1.0 for e in hs.efforts},
-                             habit_rate=hs.rate, habit_efforts=tuple(hs.efforts))
+                             habit_rate=hs.rate, habit_efforts=tuple(hs.efforts),
+                             worked_thoughts=cfg.sft.worked_thoughts)
     rows, _ = tokenized_rows(demos, tok, cfg.sft.max_length)
     random.Random(cfg.run.seed + 1).shuffle(rows)
     stage_args = replace(args, output_dir=str(Path(args.output_dir) / "habit_stage"), learning_rate=hs.lr,
@@ -193,7 +194,8 @@ def run_sft(cfg, log=print) -> Path:
     for domain in cfg.tasks.domains:
         n = cfg.sft.domain_demos.get(domain, cfg.sft.demos_per_domain)
         demos += build_demos(domain, n, error_rate=cfg.sft.demo_error_rate, seed=cfg.run.seed,
-                             preset=DOMAIN_PRESETS[domain], effort_weights=dict(cfg.sft.effort_weights) or None)
+                             preset=DOMAIN_PRESETS[domain], effort_weights=dict(cfg.sft.effort_weights) or None,
+                             worked_thoughts=cfg.sft.worked_thoughts)
     demos_s = time.time() - t0
     counts = {d: sum(x.domain == d for x in demos) for d in cfg.tasks.domains}
     log(f"sft: {len(demos)} demonstrations ({', '.join(f'{d} {n}' for d, n in counts.items())}) in {demos_s:.1f}s")

@@ -2,6 +2,7 @@
 
 import pytest
 
+from envs.tasks import agentic
 from rlk3.config import CONFIG_DIR, ConfigError, load_config
 from rlk3.rollout.demos import build_demos
 
@@ -84,3 +85,56 @@ def test_coding_habit_prints_numbers_instead_of_returning_them():
         assert code == ref.replace("    return ", "    print(").rstrip("\n") + ")\n"
         if h.effort == "high":  # the check it runs prints the value and then the None the function returned
             assert [m["content"] for m in h.messages if m["role"] == "tool"][1].rstrip().endswith("None")
+
+
+def _generated_tokens(tok, demo):
+    from harness import Harness
+
+    _, mask = Harness(demo.preset, tokenizer=tok).assistant_mask(demo.messages)
+    return sum(mask)
+
+
+def test_worked_thoughts_reason_from_the_outputs_and_set_the_efforts_apart():
+    from harness.tokenizer import default_tokenizer
+
+    plain = build_demos("agentic", 90, seed=4, error_rate=0.3)
+    worked = build_demos("agentic", 90, seed=4, error_rate=0.3, worked_thoughts=True)
+    for p, w in zip(plain, worked):
+        assert (p.task_id, p.effort, p.correct) == (w.task_id, w.effort, w.correct)
+        assert _calls(p) == _calls(w)  # the same moves and answers, wrong ones included
+        assert [m for m in p.messages if m["role"] == "tool"] == [m for m in w.messages if m["role"] == "tool"]
+        thoughts = [m.get("reasoning_content") for m in w.messages if m["role"] == "assistant"]
+        if w.effort == "low":
+            assert w.messages == p.messages
+        elif w.effort == "medium":
+            assert thoughts[0] and not any(thoughts[1:])
+        else:
+            assert all(thoughts)
+            # each thought after an output restates what in it varies from task to task (a path, a number, a mode);
+            # a wrong demonstration's last thought misreads it instead (below)
+            seen = ""
+            for m in w.messages:
+                if m["role"] == "tool":
+                    seen = "" if m["content"] == "(no output)" else str(m["content"])
+                elif m["role"] == "assistant" and seen and (w.correct or m is not w.messages[-2]):
+                    words = {t.strip("'.,") for t in seen.replace("->", " ").split() if "exit" not in t}
+                    facts = {t for t in words if any(c.isdigit() for c in t) or t in agentic.MODES}
+                    assert facts and any(t in m["reasoning_content"] for t in facts), (m["reasoning_content"], seen)
+            # and the submitting thought names the answer it submits, a wrong one too
+            assert _calls(w)[-1]["arguments"]["answer"] in thoughts[-1]
+    assert any(not w.correct and w.effort == "high" for w in worked)
+    tok = default_tokenizer()
+    mean = {e: sum(_generated_tokens(tok, d) for d in worked if d.effort == e) / sum(d.effort == e for d in worked)
+            for e in ("low", "medium", "high")}
+    plain_high = [_generated_tokens(tok, d) for d in plain if d.effort == "high"]
+    assert mean["low"] < mean["medium"] < mean["high"]
+    assert mean["low"] <= 0.5 * mean["high"], mean  # plain thoughts: ~0.7 (docs/sft.md, "Worked thoughts")
+    assert mean["low"] > 0.5 * sum(plain_high) / len(plain_high)
+
+
+def test_worked_habit_thoughts_name_the_early_answer():
+    habit = build_demos("agentic", 30, seed=2, error_rate=0.0, habit_rate=1.0, worked_thoughts=True)
+    for h in habit:
+        if h.habit:
+            answer = _calls(h)[-1]["arguments"]["answer"]
+            assert h.messages[-2]["reasoning_content"].endswith(f"so I submit {answer}.")
