@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import random
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from envs.local import LocalWorkdirs
 from envs.tasks import Task, agentic, coding, general, get_tasks
@@ -148,8 +148,7 @@ async def _agentic(task: Task, effort: str, h: Harness, budgets, err: bool, rng,
             if step.tool == "submit" and err and task.domain == "agentic" and not habit:
                 args["answer"] = _corrupt_answer(args["answer"], rng)
                 # a worked thought misreads the value it then submits, rather than contradicting its own call
-                step = agentic.Step(step.tool, step.args, step.thought,
-                                    step.worked.replace(step.args["answer"], args["answer"]))
+                step = replace(step, worked=step.worked.replace(step.args["answer"], args["answer"]))
                 correct = False
             parsed = h.parse(h.assistant_text(_call_message(h, step.tool, args, _thought(effort, i, step, worked), i)))
             if parsed.error or len(parsed.calls) != 1:

@@ -87,14 +87,13 @@ def test_coding_habit_prints_numbers_instead_of_returning_them():
             assert [m["content"] for m in h.messages if m["role"] == "tool"][1].rstrip().endswith("None")
 
 
-def _generated_tokens(tok, demo):
-    from harness import Harness
-
-    _, mask = Harness(demo.preset, tokenizer=tok).assistant_mask(demo.messages)
+def _generated_tokens(harness, demo):
+    _, mask = harness.assistant_mask(demo.messages)
     return sum(mask)
 
 
 def test_worked_thoughts_reason_from_the_outputs_and_set_the_efforts_apart():
+    from harness import Harness
     from harness.tokenizer import default_tokenizer
 
     plain = build_demos("agentic", 90, seed=4, error_rate=0.3)
@@ -123,10 +122,10 @@ def test_worked_thoughts_reason_from_the_outputs_and_set_the_efforts_apart():
             # and the submitting thought names the answer it submits, a wrong one too
             assert _calls(w)[-1]["arguments"]["answer"] in thoughts[-1]
     assert any(not w.correct and w.effort == "high" for w in worked)
-    tok = default_tokenizer()
-    mean = {e: sum(_generated_tokens(tok, d) for d in worked if d.effort == e) / sum(d.effort == e for d in worked)
+    harness = Harness(worked[0].preset, tokenizer=default_tokenizer())
+    mean = {e: sum(_generated_tokens(harness, d) for d in worked if d.effort == e) / sum(d.effort == e for d in worked)
             for e in ("low", "medium", "high")}
-    plain_high = [_generated_tokens(tok, d) for d in plain if d.effort == "high"]
+    plain_high = [_generated_tokens(harness, d) for d in plain if d.effort == "high"]
     assert mean["low"] < mean["medium"] < mean["high"]
     assert mean["low"] <= 0.5 * mean["high"], mean  # plain thoughts: ~0.7 (docs/sft.md, "Worked thoughts")
     assert mean["low"] > 0.5 * sum(plain_high) / len(plain_high)
