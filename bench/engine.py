@@ -261,6 +261,8 @@ def main() -> None:
     ap.add_argument("--skip", choices=["decode", "multi-turn", "rl-groups"], action="append", default=[])
     ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                     help="EngineConfig.compile: auto = on CUDA only")
+    ap.add_argument("--prefill-graphs", choices=["auto", "on", "off"], default="auto",
+                    help="EngineConfig.prefill_graphs: auto = on where decode steps replay CUDA graphs")
     ap.add_argument("--step-tokens", type=int, default=None,
                     help="EngineConfig.max_tokens_per_step (default: the engine's on CUDA (8192), 512 on CPU)")
     ap.add_argument("--out", type=Path, default=None)
@@ -274,7 +276,8 @@ def main() -> None:
     cfg = EngineConfig(memory_bytes=(40 * 2**30 if cuda else 256 * 2**20),
                        max_tokens_per_step=args.step_tokens or (None if cuda else 512),
                        prefill_chunk=512 if cuda else 256,
-                       compile={"auto": None, "on": True, "off": False}[args.compile])
+                       compile={"auto": None, "on": True, "off": False}[args.compile],
+                       prefill_graphs={"auto": None, "on": True, "off": False}[args.prefill_graphs])
     result = dict(device=str(device), gpu=torch.cuda.get_device_name(device) if cuda else None, preset=preset,
                   dtype=str(dtype), threads=args.threads, torch=torch.__version__,
                   load_average=os.getloadavg(), config={k: v for k, v in cfg.__dict__.items()})
@@ -308,6 +311,9 @@ def main() -> None:
             result["multi_turn_cold"] = multi_turn(model, device, args.turns, args.turn_tokens, 16, cfg)
         mt = multi_turn(model, device, args.turns, args.turn_tokens, 16, cfg)
         result["multi_turn"] = mt
+        if cuda and cfg.prefill_graphs is None:  # the same run without the prefill graphs, for their effect
+            off = dataclasses.replace(cfg, prefill_graphs=False)
+            result["multi_turn_prefill_graphs_off"] = multi_turn(model, device, args.turns, args.turn_tokens, 16, off)
         print(f"\nmulti-turn: {args.turns} turns of +{args.turn_tokens} tokens (16 generated per turn), "
               "whole conversation re-sent each turn")
         print("| | prefill tokens | prefill seconds (wall) | process CPU seconds (all 10 turns) |")
@@ -317,6 +323,11 @@ def main() -> None:
             print(f"| {name} | {m['prefill_tokens']} | {m['prefill_seconds']:.2f} | {m['cpu_seconds']:.2f} |")
         print(f"prefix cache: {mt['token_ratio']:.2f}x fewer prefill tokens, {mt['time_ratio']:.2f}x less prefill "
               f"time, {mt['cpu_time_ratio']:.2f}x less CPU time")
+        off = result.get("multi_turn_prefill_graphs_off")
+        if off is not None:
+            print(f"prefill graphs off: no cache {off['no_cache']['prefill_seconds']:.2f} s, prefix cache "
+                  f"{off['prefix_cache']['prefill_seconds']:.2f} s, extend {off['extend']['prefill_seconds']:.2f} s: "
+                  f"{off['time_ratio']:.2f}x less prefill time")
 
     if "rl-groups" not in args.skip:
         g, n, plen, new = (32, 8, 1024, 128) if cuda else (8, 8, 256, 32)

@@ -74,6 +74,11 @@ class EngineConfig:
     # where it halves a decode step (docs/BENCHMARKS.md); on CPU it gains nothing and costs compile time
     compile: bool | None = None
     cuda_graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256])
+    # capture all-prefill steps too, piecewise (each MLA layer's attention stays eager between the pieces), padded to
+    # a multiple of 512 tokens and 4/16/64/256 sequences (cuda_graphs.PrefillGraphs): a prefill step's ~850 launches
+    # cost ~50 ms of host time for a few ms of GPU work. None (the default): on where decode steps replay CUDA
+    # graphs. True on CPU (or the torch backend) runs the same padded pieces eagerly, which only tests them
+    prefill_graphs: bool | None = None
     seed: int = 0  # seeds the generators of requests that bring no seed of their own
     # how sampled rows draw (sampling.py): "generator" (a torch.Generator per request, row by row) or "counter"
     # (hashed (seed, position) noise, every row in one batched draw: ~65-95 operators per step whatever the batch,
@@ -124,6 +129,11 @@ class EngineConfig:
             _bool(own, key, getattr(self, key))
         if self.compile is not None and not isinstance(self.compile, bool):
             raise EngineConfigError(f"{own}.compile must be a bool or None (None: on CUDA only), got {self.compile!r}")
+        if self.prefill_graphs is not None and not isinstance(self.prefill_graphs, bool):
+            raise EngineConfigError(
+                f"{own}.prefill_graphs must be a bool or None (None: on where decode steps replay CUDA graphs), got "
+                f"{self.prefill_graphs!r}"
+            )
         if self.async_decode is not None and not isinstance(self.async_decode, bool):
             raise EngineConfigError(
                 f"{own}.async_decode must be a bool or None (None: on where CUDA graphs replay decode steps), got "

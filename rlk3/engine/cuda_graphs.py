@@ -19,7 +19,7 @@ import math
 import torch
 
 from rlk3.engine.pool import PagedPool
-from rlk3.engine.runner import ForwardBatch, ModelRunner, decode_conv_indices
+from rlk3.engine.runner import ForwardBatch, GraphPad, ModelRunner, decode_conv_indices, split_static
 
 
 class DecodeGraphs:
@@ -127,3 +127,169 @@ class DecodeGraphs:
         self.load(batch, size)
         self.graphs[size].replay()
         return self.outputs[size][:n]
+
+
+# Prefill steps are padded to these shapes: token counts rounded up to 1/16 of their octave (at least 128 tokens:
+# 2,100 tokens run as 2,304, so at most ~12% padding work) and sequence counts up to the next of
+# PREFILL_SEQ_BUCKETS (one more than the real sequences: the padding tokens form a sequence of their own). The
+# PREFILL_MAX_SHAPES shapes used last keep their graphs (each holds its query and output buffers and logits).
+PREFILL_MIN_QUANTUM = 128
+PREFILL_SEQ_BUCKETS = (4, 16, 64, 256)
+PREFILL_MAX_SHAPES = 24
+
+
+def prefill_bucket(tokens: int, seqs: int, max_tokens: int) -> tuple[int, int] | None:
+    """The padded ``(tokens, sequences)`` shape of an all-prefill step, or None when no bucket holds it."""
+    q = max(PREFILL_MIN_QUANTUM, 1 << max(0, (tokens - 1).bit_length() - 4))
+    padded = -(-tokens // q) * q
+    n = next((b for b in PREFILL_SEQ_BUCKETS if b > seqs), None)
+    if n is None or padded > max(max_tokens, PREFILL_MIN_QUANTUM):
+        return None
+    return padded, n
+
+
+class _Pieces:
+    """One captured prefill shape: its graphs (one more than the MLA layers), the static inputs they read, and for
+    each MLA layer the query tensors the piece before it leaves and the buffer the piece after it reads."""
+
+    def __init__(self, static: torch.Tensor):
+        self.static = static
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.attends: list[tuple] = []  # (idx, attn, q_nope, q_rope, out) per MLA layer, in order
+        self.logits: torch.Tensor | None = None
+
+
+class PrefillGraphs:
+    """Piecewise CUDA graphs of all-prefill steps (every sequence computes several tokens: new prompts, chunks,
+    extensions after a prefix hit). A prefill step's GPU work is a few milliseconds, but it launches ~850 kernels
+    with ~50 ms of host time between them (FLA's chunked KDA wrappers, the compiled blocks' guards:
+    docs/BENCHMARKS.md), so a cached turn of an episode costs about what a cold one does. Captured, each MLA layer's
+    attention core is the one part that stays eager: its shapes depend on how much each sequence has cached. Every
+    other operation is static once the step is padded (``prefill_bucket``; the engine's batch builder pads, see
+    ``GraphPad``): KDA runs FLA's graph mode (device-side chunk indexing over a fixed number of sequences), the MoE
+    Hopper's grouped GEMM, the page writes and conv gathers index static buffers. So a step replays
+    ``len(mla_layers) + 1`` graphs with the eager attention between them.
+
+    Padding tokens are a sequence on a scratch KDA slot (zeroed before each step) writing a scratch MLA page, never
+    attended by a real token; their rows are computed and dropped. On CPU, or with the torch backend, the same
+    padded pieces run eagerly (that is what the CPU tests exercise: the padding and the split, against the plain
+    step)."""
+
+    def __init__(self, runner: ModelRunner, pool: PagedPool, capture: bool):
+        self.runner = runner
+        self.pool = pool
+        self.capture = capture
+        self.scratch = pool.alloc(pool.layout.pages_per_slot + 1) or []
+        self.pieces: dict[tuple[int, int], _Pieces] = {}
+        self.mempool = torch.cuda.graph_pool_handle() if capture else None
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.scratch)
+
+    def close(self) -> None:
+        self.pieces.clear()
+        if self.scratch:
+            self.pool.decref(self.scratch)
+            self.scratch = []
+
+    def scratch_slot(self) -> list[int]:
+        return self.scratch[: self.pool.layout.pages_per_slot]
+
+    def scratch_page(self) -> int:
+        return self.scratch[-1]
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits of the batch's real logit rows; the batch is padded (``batch.pad``)."""
+        pad = batch.pad
+        if self.scratch_slot():
+            self.pool.zero(self.scratch_slot())
+            self.pool.flush()
+        if not self.capture:
+            return self.runner.forward(self.pool, batch, attend=self._eager_attend)[: pad.logits]
+        key = (batch.input_ids.shape[0], pad.seqs)
+        pieces = self.pieces.pop(key, None)
+        if pieces is None:
+            while len(self.pieces) >= PREFILL_MAX_SHAPES:  # the least recently used shape goes
+                self.pieces.pop(next(iter(self.pieces)))
+            pieces = self._capture(batch)
+        self.pieces[key] = pieces  # most recently used last
+        pieces.static.copy_(pad.static)
+        for k, graph in enumerate(pieces.graphs):
+            graph.replay()
+            if k < len(pieces.attends):
+                idx, attn, q_nope, q_rope, out = pieces.attends[k]
+                n = pad.tokens
+                out[:n] = self.runner.mla_attend(idx, attn, q_nope[:n], q_rope[:n], self.pool, batch)
+        return pieces.logits[: pad.logits]
+
+    def _eager_attend(self, idx, attn, q_nope, q_rope, pool, b):
+        """The padded step's attention run eagerly: the real tokens attend, the padding rows stay zero."""
+        out = q_nope.new_zeros(q_nope.shape[0], attn.num_heads, attn.v_dim)
+        n = b.pad.tokens
+        if n:
+            out[:n] = self.runner.mla_attend(idx, attn, q_nope[:n], q_rope[:n], pool, b)
+        return out
+
+    def _capture(self, batch: ForwardBatch) -> _Pieces:
+        """Captures the batch's shape on a copy of its inputs that points every sequence at the scratch slot and
+        page (warm-up and capture must not touch real state), with no real tokens (so no attention runs)."""
+        pad = batch.pad
+        static = pad.static.clone()
+        dummy = self._dummy(batch, static)
+        pieces = _Pieces(static)
+        runner = self.runner
+        runner.sync_ok = False
+        try:
+            main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+            side.wait_stream(main)
+            with torch.cuda.stream(side):  # warm-up: lazy initialisation, Triton compilation and autotuning
+                for _ in range(2):
+                    runner.forward(self.pool, dummy, attend=self._eager_attend)
+                side.synchronize()
+                graph = torch.cuda.CUDAGraph()
+
+                def split(idx, attn, q_nope, q_rope, pool, b):
+                    nonlocal graph
+                    graph.capture_end()
+                    pieces.graphs.append(graph)
+                    with torch.cuda.stream(main):  # outside any capture, on the stream that replays and attends
+                        out = q_nope.new_zeros(q_nope.shape[0], attn.num_heads, attn.v_dim)
+                    side.wait_stream(main)
+                    pieces.attends.append((idx, attn, q_nope, q_rope, out))
+                    graph = torch.cuda.CUDAGraph()
+                    graph.capture_begin(pool=self.mempool)
+                    return out
+
+                graph.capture_begin(pool=self.mempool)
+                try:
+                    pieces.logits = runner.forward(self.pool, dummy, attend=split)
+                finally:
+                    graph.capture_end()
+                pieces.graphs.append(graph)
+            torch.cuda.current_stream().wait_stream(side)
+        finally:
+            runner.sync_ok = True
+        return pieces
+
+    def _dummy(self, batch: ForwardBatch, static: torch.Tensor) -> ForwardBatch:
+        """``batch`` over ``static`` (the same views), rewritten as an all-padding step on the scratch slot."""
+        pad = batch.pad
+        T, N = batch.input_ids.shape[0], pad.seqs
+        fields = split_static(static, T, N, self.pool.layout)
+        fields["input_ids"].zero_()
+        if fields["slot_pages"].numel():
+            fields["slot_pages"][:] = torch.tensor(self.scratch_slot(), device=static.device)
+        fields["write_pages"].fill_(self.scratch_page())
+        fields["write_offsets"].zero_()
+        fields["logit_rows"].zero_()
+        cu = torch.full((N + 1,), T, dtype=torch.long)
+        cu[0] = 0
+        fields["cu"].copy_(cu)  # one padding sequence over every token (the conv gathers stay the batch's: in range)
+        return ForwardBatch(
+            input_ids=fields["input_ids"], num_decode=0, prefill_starts=[], prefill_lens=[],
+            slot_pages=fields["slot_pages"], block_tables=batch.block_tables[:0], seq_lens=batch.seq_lens[:0],
+            write_pages=fields["write_pages"], write_offsets=fields["write_offsets"], logit_rows=fields["logit_rows"],
+            conv_src=fields["conv_src"], conv_new=fields["conv_new"], prefill_offsets=(fields["cu"], cu),
+            pad=GraphPad(tokens=0, seqs=N, logits=0, static=static),
+        )

@@ -29,10 +29,11 @@ from dataclasses import dataclass
 import torch
 
 from rlk3.engine.config import EngineConfig, EngineConfigError, SamplingParams
+from rlk3.engine.cuda_graphs import DecodeGraphs, PrefillGraphs, prefill_bucket
 from rlk3.engine.pool import PagedPool, PoolLayout, budget_bytes
 from rlk3.engine.prefix_cache import PrefixCache
 from rlk3.engine.request import FinishReason, GenerationResult, Request, RequestStatus
-from rlk3.engine.runner import ForwardBatch, ModelRunner, PackedPrefill, decode_conv_indices
+from rlk3.engine.runner import ForwardBatch, GraphPad, ModelRunner, PackedPrefill, decode_conv_indices
 from rlk3.engine.sampling import sample, sample_tensors, to_device
 from rlk3.engine.scheduler import Scheduler
 
@@ -96,6 +97,8 @@ class EngineStats:
     prefill_seconds: float  # forward + sampling time of steps that computed any multi-token chunk
     decode_seconds: float  # ... of steps that computed only single tokens
     overlapped_steps: int  # decode steps launched before the previous one was read back (asynchronous decode)
+    padded_prefill_steps: int  # all-prefill steps run padded through the prefill graphs (prefill_graphs)
+    prefill_padding_tokens: int  # padding tokens those steps computed and dropped
     preemptions: int
     dropped_caches: int  # paused / finished caches given up under memory pressure or by a weight update
     shared_prefill_tokens: int  # prompt tokens requests did not compute: copied from a leader's (share_prefill)
@@ -175,12 +178,15 @@ class RolloutEngine:
         self._seeds = torch.Generator().manual_seed(config.seed)
         self._decode_index_cache: dict[int, tuple[torch.Tensor, ...]] = {}
         self._graphs = None  # CUDA graphs of the decode step, captured on first use (cuda_graphs.py)
-        graphs = self.device.type == "cuda" and config.cuda_graphs and config.backend == "auto"
+        self._prefill_graphs = None  # ... and of all-prefill steps, piecewise, per padded shape
+        graphs = self._graphs_ok = self.device.type == "cuda" and config.cuda_graphs and config.backend == "auto"
         self.async_decode = config.async_decode if config.async_decode is not None else graphs
+        self.prefill_graphs = config.prefill_graphs if config.prefill_graphs is not None else graphs
         self._inflight: _InFlight | None = None
         self._unreported: dict[str, GenerationResult] = {}  # finished while settling a step, for the next step()
         self._progress = 0  # step() calls that did any work (generate()'s check that something can run)
         self._overlapped = 0
+        self._padded_steps = self._padding_tokens = 0
         self._steps = self._prefill_tokens = self._decode_tokens = self._generated = 0
         self._prefill_seconds = self._decode_seconds = 0.0
 
@@ -452,9 +458,10 @@ class RolloutEngine:
                 self.scheduler.drop_cache(req)
         if self.prefix is not None:
             self.prefix.clear()
-        if self._graphs is not None:  # they point into the pool and hold scratch pages
-            self._graphs.close()
-            self._graphs = None
+        for graphs in (self._graphs, self._prefill_graphs):  # they point into the pool and hold scratch pages
+            if graphs is not None:
+                graphs.close()
+        self._graphs = self._prefill_graphs = None
         self.pool.release()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -497,7 +504,8 @@ class RolloutEngine:
             version=self.version, steps=self._steps, prefill_tokens=self._prefill_tokens,
             decode_tokens=self._decode_tokens, generated_tokens=self._generated,
             prefill_seconds=self._prefill_seconds, decode_seconds=self._decode_seconds,
-            overlapped_steps=self._overlapped,
+            overlapped_steps=self._overlapped, padded_prefill_steps=self._padded_steps,
+            prefill_padding_tokens=self._padding_tokens,
             preemptions=self.scheduler.preemptions, dropped_caches=self.scheduler.dropped_caches,
             shared_prefill_tokens=self.scheduler.shared_prefill_tokens,
             num_waiting=counts[RequestStatus.WAITING], num_running=counts[RequestStatus.RUNNING],
@@ -539,8 +547,8 @@ class RolloutEngine:
         if self.prefix is not None:
             for p in self.prefix.pages_held():
                 refs[p] += 1
-        if self._graphs is not None:
-            for p in self._graphs.scratch:
+        for graphs in (self._graphs, self._prefill_graphs):
+            for p in graphs.scratch if graphs is not None else []:
                 refs[p] += 1
         assert refs == pool.refcount, "page reference counts disagree with their holders"
         free = set(pool._free)
@@ -619,7 +627,9 @@ class RolloutEngine:
     def _batch(self, plan: list[tuple[Request, int]]) -> ForwardBatch:
         """The runner's view of a step (see ``ForwardBatch``): packed tokens, pages, and the gather indices. The
         per-token indices are tensor arithmetic over the per-sequence starts and lengths (not four Python calls per
-        token), sent to the device in one copy (not a pageable copy and a sync per tensor)."""
+        token), sent to the device in one copy (not a pageable copy and a sync per tensor). An all-prefill step that
+        the prefill graphs take is padded to its bucket (``GraphPad``): a padding sequence over the padding tokens,
+        then empty sequences, all on the graphs' scratch slot and page."""
         if plan[-1][1] == 1:  # single-token sequences come first: this step is all decode
             return self._decode_batch([req for req, _ in plan])
         bs, W, N = self.layout.block_size, self.layout.conv_width, len(plan)
@@ -639,42 +649,72 @@ class RolloutEngine:
             used = math.ceil((start + n) / bs)
             tables.append(req.pages[:used] + [0] * (width - used))
             seq_lens.append(start + n)
-        T = len(ids)
-        n_seq = torch.tensor([n for _, n in plan])
+        T, L = len(ids), len(logit_rows)
+        lens_all = [n for _, n in plan]
+        bucket = self._prefill_bucket(T, N) if plan[0][1] > 1 else None
+        if bucket is not None:  # padded: the padding tokens are one sequence, then empty ones up to the bucket
+            T_pad, N_pad = bucket
+            graphs = self._prefill_graphs
+            ids += [0] * (T_pad - T)
+            lens_all += [T_pad - T] + [0] * (N_pad - N - 1)
+            slots += [graphs.scratch_slot()] * (N_pad - N)
+            logit_rows += [0] * (N_pad - L)
+        n_all = len(lens_all)
+        n_seq = torch.tensor(lens_all, dtype=torch.long)
         row0 = n_seq.cumsum(0) - n_seq  # each sequence's first row among the step's tokens
-        seq = torch.repeat_interleave(torch.arange(N), n_seq, output_size=T)  # each token's sequence
-        local = torch.arange(T) - row0[seq]  # each token's index inside its sequence's chunk
+        seq = torch.repeat_interleave(torch.arange(n_all), n_seq, output_size=len(ids))  # each token's sequence
+        local = torch.arange(len(ids)) - row0[seq]  # each token's index inside its sequence's chunk
 
         def conv_rows(s, r0, p):
             """Buffer rows of chunk inputs p of sequences s (p < 0: the sequence's conv cache, kernel − 1 rows)."""
-            return torch.where(p >= 0, N * W + r0 + p, s * W + W + p)
+            return torch.where(p >= 0, n_all * W + r0 + p, s * W + W + p)
 
         taps = torch.arange(W + 1) - W  # tap j of token i reads input i − W + j
         conv_src = conv_rows(seq[:, None], row0[seq][:, None], local[:, None] + taps)
-        conv_new = conv_rows(torch.arange(N)[:, None], row0[:, None], n_seq[:, None] + taps[:-1])  # last W inputs
+        conv_new = conv_rows(torch.arange(n_all)[:, None], row0[:, None], n_seq[:, None] + taps[:-1])  # last W inputs
         table = torch.tensor(tables, dtype=torch.long)
         if has_mla:
-            pos = torch.tensor(seq_lens)[seq] - n_seq[seq] + local  # each token's position in its sequence
-            write_pages, write_offsets = table[seq, pos // bs], pos % bs
+            real = seq[:T]
+            pos = torch.tensor(seq_lens)[real] - n_seq[real] + local[:T]  # each token's position in its sequence
+            write_pages, write_offsets = table[real, pos // bs], pos % bs
+            if bucket is not None:  # padding tokens write the scratch page
+                write_pages = torch.cat([write_pages, torch.full((len(ids) - T,), graphs.scratch_page())])
+                write_offsets = torch.cat([write_offsets, local[T:] % bs])
         else:
             write_pages = write_offsets = torch.zeros(0, dtype=torch.long)
-        parts = [torch.tensor(ids), torch.tensor(slots, dtype=torch.long), table, torch.tensor(seq_lens),
-                 write_pages, write_offsets, torch.tensor(logit_rows, dtype=torch.long), conv_src, conv_new]
+        slot_t = torch.tensor(slots, dtype=torch.long).view(n_all, self.layout.pages_per_slot)
+        cu = torch.cat([torch.zeros(1, dtype=torch.long), n_seq.cumsum(0)])
+        # the fixed-layout part first (runner.static_parts: a prefill graph copies it in one operation)
+        parts = [torch.tensor(ids), slot_t, write_pages, write_offsets, torch.tensor(logit_rows, dtype=torch.long),
+                 conv_src, conv_new, cu, table, torch.tensor(seq_lens)]
         buf = torch.cat([x.reshape(-1) for x in parts])
         if self.device.type != "cpu":
             buf = buf.pin_memory().to(self.device, non_blocking=True)
-        ids_t, slots_t, table_t, seq_lens_t, pages_t, offsets_t, rows_t, src_t, new_t = (
+        ids_t, slots_t, pages_t, offsets_t, rows_t, src_t, new_t, cu_t, table_t, seq_lens_t = (
             x.view(p.shape) for x, p in zip(buf.split([x.numel() for x in parts]), parts))
         batch = ForwardBatch(
             input_ids=ids_t, num_decode=N - len(multi), prefill_starts=starts, prefill_lens=lens,
-            slot_pages=slots_t if self.layout.pages_per_slot else torch.zeros(N, 0, dtype=torch.long,
-                                                                               device=self.device),
-            block_tables=table_t, seq_lens=seq_lens_t, write_pages=pages_t, write_offsets=offsets_t,
-            logit_rows=rows_t, conv_src=src_t, conv_new=new_t,
+            slot_pages=slots_t, block_tables=table_t, seq_lens=seq_lens_t, write_pages=pages_t,
+            write_offsets=offsets_t, logit_rows=rows_t, conv_src=src_t, conv_new=new_t,
         )
+        if bucket is not None:
+            fixed = sum(x.numel() for x in parts[:8])
+            batch.prefill_offsets = (cu_t, cu)
+            batch.pad = GraphPad(tokens=T, seqs=n_all, logits=L, static=buf[:fixed])
         if has_mla and len(multi) > 1:
             batch.packed = self._packed_groups(multi, starts, lens)
         return batch
+
+    def _prefill_bucket(self, tokens: int, seqs: int) -> tuple[int, int] | None:
+        """The padded shape of an all-prefill step the prefill graphs take, or None (it runs as it is)."""
+        if not self.prefill_graphs:
+            return None
+        bucket = prefill_bucket(tokens, seqs, self.config.max_tokens_per_step)
+        if bucket is None:
+            return None
+        if self._prefill_graphs is None:
+            self._prefill_graphs = PrefillGraphs(self.runner, self.pool, capture=self._graphs_ok)
+        return bucket if self._prefill_graphs.ready else None
 
     def _packed_groups(self, multi: list[Request], starts: list[int], lens: list[int]) -> list[PackedPrefill]:
         """Runs of consecutive multi-token sequences whose masked attention stays under ``PACKED_PREFILL_MAX``
@@ -766,11 +806,12 @@ class RolloutEngine:
         return hit
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
-        graphs_ok = self.device.type == "cuda" and self.config.cuda_graphs and self.config.backend == "auto"
-        if graphs_ok and not batch.prefill_lens:
+        if batch.pad is not None:
+            self._padded_steps += 1
+            self._padding_tokens += batch.input_ids.shape[0] - batch.pad.tokens
+            return self._prefill_graphs.run(batch)
+        if self._graphs_ok and not batch.prefill_lens:
             if self._graphs is None:
-                from rlk3.engine.cuda_graphs import DecodeGraphs
-
                 self._graphs = DecodeGraphs(self.runner, self.pool, self.config)
             logits = self._graphs.run(batch)  # every row's logits: keep the wanted ones
             if logits is not None:

@@ -36,7 +36,9 @@ from rlk3.model.ops.mla import mla_attention, paged_mla_decode, split_kv_b
 # CUDA-graph capture ``dense_experts``) instead of the model's loop over experts, whose per-expert overhead dominates
 # a decode step. Larger batches (prefill) use the model's own dispatch on CPU, where padding every expert to the
 # busiest one's count costs more than the loop saves; on CUDA the loop's ~8 launches per expert per layer (and its
-# host synchronisations) are most of a prefill step's host time, so batching applies at any size there.
+# host synchronisations) are most of a prefill step's host time, so batching applies at any size there. In bf16 on
+# CUDA the model's own dispatch is Hopper's grouped GEMM, which needs no host synchronisation and is used instead at
+# any size (the prefill graphs capture it).
 SMALL_MOE_MAX_TOKENS = 256
 
 
@@ -74,7 +76,45 @@ class ForwardBatch:
     # MLA over runs of consecutive multi-token sequences at once (the others attend one at a time)
     packed: list[PackedPrefill] = field(default_factory=list)
     # the multi-token sequences' offsets (cu_seqlens) on the device and on the host, set by ``ModelRunner.forward``
+    # (or by the builder of a padded batch)
     prefill_offsets: tuple[torch.Tensor, torch.Tensor] | None = None
+    # set when the step is padded to a prefill graph's static shape (``GraphPad``)
+    pad: GraphPad | None = None
+
+
+@dataclass
+class GraphPad:
+    """An all-prefill step padded to a static shape (``cuda_graphs.PrefillGraphs``): ``tokens`` real tokens then
+    padding up to ``input_ids``' length, ``seqs`` sequences (the real ones, one padding sequence over the padding
+    tokens, then empty ones; all of them past the real ones on a scratch KDA slot and MLA page), ``logits`` real
+    logit rows then rows pointing at token 0. ``prefill_starts`` / ``prefill_lens`` / ``block_tables`` / ``packed``
+    describe the real sequences only: MLA attention, which runs outside the graphs, reads them. ``static`` is the
+    fixed-layout head of the step's one host-to-device buffer (input ids, slot pages, MLA write pages and offsets,
+    logit rows, conv gather indices, offsets), which a graph's inputs copy in one operation."""
+
+    tokens: int
+    seqs: int
+    logits: int
+    static: torch.Tensor
+
+
+def static_parts(T: int, N: int, layout: PoolLayout) -> list[tuple[str, tuple[int, ...]]]:
+    """The fixed-layout head of a padded step's host-to-device buffer (``GraphPad.static``): each part's name and
+    shape for ``T`` tokens and ``N`` sequences. Its size depends only on (T, N), so a prefill graph's inputs are one
+    buffer of that size and a step's are copied into it at once."""
+    W, mla = layout.conv_width, bool(layout.mla_layers)
+    return [
+        ("input_ids", (T,)), ("slot_pages", (N, layout.pages_per_slot)), ("write_pages", (T if mla else 0,)),
+        ("write_offsets", (T if mla else 0,)), ("logit_rows", (N,)), ("conv_src", (T, W + 1)), ("conv_new", (N, W)),
+        ("cu", (N + 1,)),
+    ]
+
+
+def split_static(static: torch.Tensor, T: int, N: int, layout: PoolLayout) -> dict[str, torch.Tensor]:
+    """``static_parts``' views of a flat buffer."""
+    parts = static_parts(T, N, layout)
+    sizes = [math.prod(shape) for _, shape in parts]
+    return {name: x.view(shape) for (name, shape), x in zip(parts, static.split(sizes))}
 
 
 def decode_conv_indices(n: int, kernel: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,10 +215,13 @@ class ModelRunner:
             self._splits[idx] = [sum(sizes[:3]), *sizes[3:]] if layer.kind == "kda" else sizes
 
     @torch.no_grad()
-    def forward(self, pool: PagedPool, batch: ForwardBatch) -> torch.Tensor:
-        """Runs the model over the batch, updating the pool; returns logits ``[len(logit_rows), vocab]``."""
+    def forward(self, pool: PagedPool, batch: ForwardBatch, attend=None) -> torch.Tensor:
+        """Runs the model over the batch, updating the pool; returns logits ``[len(logit_rows), vocab]``.
+        ``attend(idx, attn, q_nope, q_rope, pool, batch) -> [T, H, v]``: how each MLA layer's attention core runs
+        (default ``mla_attend``); the prefill graphs end one captured piece and begin the next there."""
         core = self.model.model
-        if batch.prefill_lens:  # once per step, for every KDA layer: the host copy spares FLA a device read each
+        if batch.prefill_lens and batch.prefill_offsets is None:  # once per step, for every KDA layer: the host
+            # copy spares FLA a device read each
             cu = torch.tensor([0, *itertools.accumulate(batch.prefill_lens)])
             batch.prefill_offsets = (cu.to(batch.input_ids.device), cu)
         x = core.embed_tokens(batch.input_ids)[None]  # [1, T, hidden]
@@ -192,7 +235,7 @@ class ModelRunner:
             if layer.kind == "kda":
                 out = self._kda(i, layer.self_attn, h, pool, batch)
             else:
-                out = self._mla(i, layer.self_attn, h, pool, batch)
+                out = self._mla(i, layer.self_attn, h, pool, batch, attend or self.mla_attend)
             stream.write(out[None])
             stream.write(self._feed_forward(layer, self._read(stream, layer.mlp_res, layer.post_attention_layernorm)))
         final = stream.final(core.output_res)[0, batch.logit_rows]
@@ -245,13 +288,15 @@ class ModelRunner:
                 check_unique=False, **kwargs,
             )
             outs.append(o[:, 0])
-        if b.prefill_lens:
+        if b.prefill_lens or b.pad is not None:
             sel = pages[nd:]
             cu, cu_cpu = b.prefill_offsets
+            # a padded batch: static chunk indexing over a fixed number of sequences (no host read, capturable)
+            graph = dict(use_graph=True, max_num_seqs=b.pad.seqs) if b.pad is not None else {}
             o, final = chunk_kda(
                 q[None, nd:], k[None, nd:], v[None, nd:], g[None, nd:], beta[None, nd:], initial_state=states[sel],
                 output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, safe_gate=attn.bounded,
-                chunk_size=attn.chunk_size, **kwargs,
+                chunk_size=attn.chunk_size, **graph, **kwargs,
             )
             states[sel] = final
             outs.append(o[0])
@@ -260,7 +305,7 @@ class ModelRunner:
 
     # -- MLA
 
-    def _mla(self, idx: int, attn, h: torch.Tensor, pool: PagedPool, b: ForwardBatch) -> torch.Tensor:
+    def _mla(self, idx: int, attn, h: torch.Tensor, pool: PagedPool, b: ForwardBatch, attend) -> torch.Tensor:
         T = h.shape[0]
         H = attn.num_heads
         # the query (or its low-rank half), the KV latent + rope slice, the output gate: one matmul
@@ -275,6 +320,17 @@ class ModelRunner:
         # the new tokens' entries first: a decode token attends to itself through its page
         latent_pages[b.write_pages, b.write_offsets] = latent.to(latent_pages.dtype)
         rope_pages[b.write_pages, b.write_offsets] = k_rope.to(rope_pages.dtype)
+        o = attend(idx, attn, q_nope, q_rope, pool, b)  # [T, H, v]
+        return self._mla_output(attn, o, gate[0] if gate else None)
+
+    def mla_attend(self, idx: int, attn, q_nope: torch.Tensor, q_rope: torch.Tensor, pool: PagedPool,
+                   b: ForwardBatch) -> torch.Tensor:
+        """An MLA layer's attention core over the step's sequences, their new entries already in the pages:
+        ``[T, H, v]`` for the queries ``q_nope [T, H, nope]``, ``q_rope [T, H, rope]`` of ``b``'s tokens."""
+        H = attn.num_heads
+        m = self.mla_ordinal[idx]
+        latent_pages, rope_pages = pool.latent(m), pool.rope(m)
+        h = q_nope  # the activations' device and dtype
         w_uk, w_uv = split_kv_b(attn.kv_b_proj.weight, H, attn.nope_dim, attn.v_dim)
         nd = b.num_decode
         outs = []
@@ -300,8 +356,8 @@ class ModelRunner:
             start, n = b.prefill_starts[j], b.prefill_lens[j]
             S = start + n
             table = b.block_tables[nd + j, : math.ceil(S / bs)]
-            lat = latent_pages[table].reshape(-1, latent.shape[-1])[:S][None].to(h.dtype)
-            rope = rope_pages[table].reshape(-1, k_rope.shape[-1])[:S][None].to(h.dtype)
+            lat = latent_pages[table].reshape(-1, latent_pages.shape[-1])[:S][None].to(h.dtype)
+            rope = rope_pages[table].reshape(-1, rope_pages.shape[-1])[:S][None].to(h.dtype)
             qn, qr = q_nope[None, offset : offset + n], q_rope[None, offset : offset + n]
             if start == 0:  # a fresh prefill: plain causal attention, the same call the model makes
                 o = prefill_attention(qn, qr, lat, rope, w_uk, w_uv, attn.scale, causal=True)
@@ -313,8 +369,7 @@ class ModelRunner:
                 o = prefill_attention(qn, qr, lat, rope, w_uk, w_uv, attn.scale, prefix=start)
             outs.append(o[0])
             offset, j = offset + n, j + 1
-        o = torch.cat(outs) if len(outs) > 1 else outs[0]  # [T, H, v]
-        return self._mla_output(attn, o, gate[0] if gate else None)
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     # -- feed-forward
 
@@ -323,7 +378,12 @@ class ModelRunner:
         tokens = h.shape[0] * h.shape[1]
         if not isinstance(layer.mlp, StableLatentMoE):
             return self._ffn_dense(layer, h)
-        if self.compiled and (not self.sync_ok or tokens * layer.mlp.experts.num_experts <= DENSE_MAX_PAIRS):
+        experts = layer.mlp.experts
+        if self.compiled and tokens * experts.num_experts <= DENSE_MAX_PAIRS:
+            return self._ffn_dense(layer, h)
+        if experts._grouped_ok(h):  # Hopper's grouped GEMM (bf16): no host synchronisation, so also under capture
+            return latent_moe(layer.mlp, h, model_experts)
+        if self.compiled and not self.sync_ok:
             return self._ffn_dense(layer, h)
         if tokens <= SMALL_MOE_MAX_TOKENS or h.is_cuda:
             return latent_moe(layer.mlp, h, grouped_experts if self.sync_ok else dense_experts)
@@ -391,6 +451,11 @@ def latent_moe(moe: StableLatentMoE, x: torch.Tensor, experts_fn) -> torch.Tenso
     if moe.shared_experts is not None:
         y = y + moe.shared_experts(flat)
     return y.view(shape)
+
+
+def model_experts(experts, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The model's own expert dispatch (``K3Experts.forward``)."""
+    return experts(h, idx, w)
 
 
 def grouped_experts(experts, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -119,7 +119,10 @@ class K3Experts(nn.Module):
         )
 
     def _grouped(self, x, order, token_of, flat, weights):
-        offs = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)
+        # counted by a scatter, not bincount, which reads the largest id back to size its output (a host
+        # synchronisation, and not capturable in a CUDA graph)
+        counts = torch.zeros(self.num_experts, dtype=flat.dtype, device=flat.device)
+        offs = counts.scatter_add_(0, flat, torch.ones_like(flat)).cumsum(0).to(torch.int32)
         xs = x[token_of]  # rows sorted by expert
         w_gate_up = self.gate_up_proj.to(x.dtype).transpose(1, 2)  # [E, D, 2I]
         gate, up = torch._grouped_mm(xs, w_gate_up, offs=offs).chunk(2, dim=-1)

@@ -192,3 +192,31 @@ def test_shared_prefill_on_cuda_generates_what_unshared_prefill_generates(backen
     # the first token's score comes from the shared cache (the copied state and pages): equal within the path's noise
     assert max(abs(a.logprobs[0] - b.logprobs[0]) for a, b in zip(shared, alone)) <= (1e-5 if backend == "torch"
                                                                                       else 1e-3)
+
+
+@pytest.mark.parametrize("preset,dtype", [("k3-tiny", torch.float32), ("k3-small", torch.bfloat16)])
+def test_prefill_graphs_replay_what_the_padded_steps_compute_eagerly(preset, dtype, monkeypatch):
+    """The piecewise prefill graphs (the CUDA default) against the same padded steps run eagerly (the same kernels
+    and shapes, nothing captured): bit for bit, over steps of several buckets, prefix hits, a pause and an extension
+    (test_prefill_graphs.py's workload), with at most two shapes kept so that graphs are evicted and captured again.
+    In fp32, also against unpadded eager prefill: the same tokens, log-probs within 1e-4 (FLA's TF32 dots)."""
+    from rlk3.engine import cuda_graphs
+    from tests.rlk3.engine.test_prefill_graphs import workload
+
+    monkeypatch.setattr(cuda_graphs, "PREFILL_MAX_SHAPES", 2)
+    model = make_model(preset, dtype)
+    cfg = dict(memory_bytes=2**30, max_tokens_per_step=256, prefill_chunk=64, prefix_block_tokens=64,
+               checkpoint_interval=64)
+    graphed = RolloutEngine(model, EngineConfig(**cfg))
+    eager = RolloutEngine(model, EngineConfig(**cfg))
+    eager._prefill_graphs = cuda_graphs.PrefillGraphs(eager.runner, eager.pool, capture=False)
+    got, want = workload(graphed), workload(eager)
+    assert graphed.stats().padded_prefill_steps == eager.stats().padded_prefill_steps >= 4
+    assert len(graphed._prefill_graphs.pieces) == 2 and not eager._prefill_graphs.pieces
+    assert [(r.token_ids, r.logprobs) for r in got] == [(r.token_ids, r.logprobs) for r in want]
+    graphed.check_invariants()
+    if dtype == torch.float32:
+        plain = workload(RolloutEngine(model, EngineConfig(**cfg, prefill_graphs=False)))
+        for a, b in zip(got, plain, strict=True):
+            assert a.token_ids == b.token_ids
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= 1e-4

@@ -86,11 +86,16 @@ def chunk_kda(
     chunk_size: int = 64,
     backend: str | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
+    use_graph: bool = False,
+    max_num_seqs: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA over whole sequences. q, k ``[B,T,H,K]``; v ``[B,T,HV,V]``; g ``[B,T,HV,K]`` (log decay, or raw gate
     logits with ``use_gate_in_kernel``); beta ``[B,T,HV]``. Returns ``(o [B,T,HV,V], final_state | None)``.
     ``cu_seqlens_cpu``: the same offsets on the host, when the caller has them; on CUDA, validating and indexing
-    the chunks from a device tensor waits for the GPU (trusted to equal ``cu_seqlens``, as FLA trusts it)."""
+    the chunks from a device tensor waits for the GPU (trusted to equal ``cu_seqlens``, as FLA trusts it).
+    ``use_graph``: FLA indexes the chunks on the device with static shapes (``cu_seqlens`` padded with empty
+    sequences to ``max_num_seqs`` + 1 entries), so the call can be captured in a CUDA graph; the host copy is then
+    only validated (at capture), never handed to FLA, whose replays see other offsets. The torch path ignores it."""
     shapes = check_inputs(
         q, k, v, g, beta, initial_state=initial_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
         use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
@@ -107,6 +112,8 @@ def chunk_kda(
         A_log=A_log, dt_bias=dt_bias, chunk_size=chunk_size,
     )
     if _use_fla(q, backend, "chunk_kda"):
+        if use_graph:
+            return _fla_ops().chunk_kda(q, k, v, g, beta, use_graph=True, max_num_seqs=max_num_seqs, **kwargs)
         return _fla_ops().chunk_kda(q, k, v, g, beta, cu_seqlens_cpu=cu_seqlens_cpu, **kwargs)
     return torch_chunk_kda(q, k, v, g, beta, _shapes=shapes, **kwargs)
 
