@@ -15,6 +15,7 @@ tensors), so captured graphs stay valid across updates. ``release_memory`` drops
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -182,6 +183,7 @@ class PrefillGraphs:
         self.scratch = pool.alloc(pool.layout.pages_per_slot + 1) or []
         self.pieces: dict[tuple[int, int], _Pieces] = {}
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
+        self.capture_seconds = 0.0  # spent capturing (warm-ups included), once per shape
 
     @property
     def ready(self) -> bool:
@@ -212,7 +214,10 @@ class PrefillGraphs:
         if pieces is None:
             while len(self.pieces) >= PREFILL_MAX_SHAPES:  # the least recently used shape goes
                 self.pieces.pop(next(iter(self.pieces)))
+            start = time.perf_counter()
             pieces = self._capture(batch)
+            torch.cuda.synchronize()
+            self.capture_seconds += time.perf_counter() - start
         self.pieces[key] = pieces  # most recently used last
         pieces.static.copy_(pad.static)
         for k, graph in enumerate(pieces.graphs):

@@ -99,6 +99,7 @@ class EngineStats:
     overlapped_steps: int  # decode steps launched before the previous one was read back (asynchronous decode)
     padded_prefill_steps: int  # all-prefill steps run padded through the prefill graphs (prefill_graphs)
     prefill_padding_tokens: int  # padding tokens those steps computed and dropped
+    prefill_capture_seconds: float  # of prefill_seconds: capturing the prefill graphs, once per shape
     preemptions: int
     dropped_caches: int  # paused / finished caches given up under memory pressure or by a weight update
     shared_prefill_tokens: int  # prompt tokens requests did not compute: copied from a leader's (share_prefill)
@@ -187,6 +188,7 @@ class RolloutEngine:
         self._progress = 0  # step() calls that did any work (generate()'s check that something can run)
         self._overlapped = 0
         self._padded_steps = self._padding_tokens = 0
+        self._capture_seconds = 0.0  # of prefill graphs since dropped (release_memory)
         self._steps = self._prefill_tokens = self._decode_tokens = self._generated = 0
         self._prefill_seconds = self._decode_seconds = 0.0
 
@@ -458,6 +460,8 @@ class RolloutEngine:
                 self.scheduler.drop_cache(req)
         if self.prefix is not None:
             self.prefix.clear()
+        if self._prefill_graphs is not None:
+            self._capture_seconds += self._prefill_graphs.capture_seconds
         for graphs in (self._graphs, self._prefill_graphs):  # they point into the pool and hold scratch pages
             if graphs is not None:
                 graphs.close()
@@ -505,7 +509,8 @@ class RolloutEngine:
             decode_tokens=self._decode_tokens, generated_tokens=self._generated,
             prefill_seconds=self._prefill_seconds, decode_seconds=self._decode_seconds,
             overlapped_steps=self._overlapped, padded_prefill_steps=self._padded_steps,
-            prefill_padding_tokens=self._padding_tokens,
+            prefill_padding_tokens=self._padding_tokens, prefill_capture_seconds=self._capture_seconds + (
+                self._prefill_graphs.capture_seconds if self._prefill_graphs is not None else 0.0),
             preemptions=self.scheduler.preemptions, dropped_caches=self.scheduler.dropped_caches,
             shared_prefill_tokens=self.scheduler.shared_prefill_tokens,
             num_waiting=counts[RequestStatus.WAITING], num_running=counts[RequestStatus.RUNNING],

@@ -12,14 +12,17 @@ from tests.rlk3.engine._oracle import assert_greedy_matches_full_forward, prompt
 
 
 @pytest.mark.slow
-def test_randomized_stress_of_500_requests(tiny):
+@pytest.mark.parametrize("prefill_graphs", [False, True], ids=["plain", "padded-prefill"])
+def test_randomized_stress_of_500_requests(tiny, prefill_graphs):
+    """``padded-prefill``: every all-prefill step padded to a bucket (the CUDA default's batches, run eagerly), its
+    scratch slot and page taken from the same small pool."""
     rng = random.Random(0)
     probe = RolloutEngine(tiny, EngineConfig(memory_bytes=4 * 2**20, block_size=16, prefix_block_tokens=16))
     page, slot = probe.layout.page_bytes, probe.layout.pages_per_slot
     budget = page * (7 * slot + 30)  # ~7 requests' KDA state and 480 tokens of MLA blocks
     cfg = EngineConfig(
         memory_bytes=budget, block_size=16, prefix_block_tokens=16, checkpoint_interval=32, max_num_seqs=10,
-        max_tokens_per_step=96, prefill_chunk=24, spill_bytes=2 * 2**20,
+        max_tokens_per_step=96, prefill_chunk=24, spill_bytes=2 * 2**20, prefill_graphs=prefill_graphs,
     )
     engine = RolloutEngine(tiny, cfg)
     systems = [prompt(rng.randint(17, 40), seed=100 + i) for i in range(4)]  # shared prefixes: cache hits
@@ -95,6 +98,9 @@ def test_randomized_stress_of_500_requests(tiny):
     assert stats.shared_prefill_tokens > 0
     assert extended > 50 and released > 100 and checked > 100
     assert stats.pool.request_pages == 0
+    assert (stats.padded_prefill_steps >= 10) == prefill_graphs  # most steps mix decodes with prefill: unpadded
     engine.clear_prefix_cache()
     engine.check_invariants()
-    assert engine.stats().pool.free_pages == engine.stats().pool.total_pages
+    scratch = len(engine._prefill_graphs.scratch) if engine._prefill_graphs is not None else 0
+    assert scratch in ((0, slot + 1) if prefill_graphs else (0,))  # 0: dropped by a release and not yet retaken
+    assert engine.stats().pool.free_pages == engine.stats().pool.total_pages - scratch
