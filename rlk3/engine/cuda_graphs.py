@@ -204,10 +204,8 @@ class PrefillGraphs:
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits of the batch's real logit rows; the batch is padded (``batch.pad``)."""
         pad = batch.pad
-        if self.scratch_slot():
-            self.pool.zero(self.scratch_slot())
-            self.pool.flush()
         if not self.capture:
+            self._zero_scratch()
             return self.runner.forward(self.pool, batch, attend=self._eager_attend)[: pad.logits]
         key = (batch.input_ids.shape[0], pad.seqs)
         pieces = self.pieces.pop(key, None)
@@ -219,6 +217,7 @@ class PrefillGraphs:
             torch.cuda.synchronize()
             self.capture_seconds += time.perf_counter() - start
         self.pieces[key] = pieces  # most recently used last
+        self._zero_scratch()
         pieces.static.copy_(pad.static)
         for k, graph in enumerate(pieces.graphs):
             graph.replay()
@@ -227,6 +226,12 @@ class PrefillGraphs:
                 n = pad.tokens
                 out[:n] = self.runner.mla_attend(idx, attn, q_nope[:n], q_rope[:n], self.pool, batch)
         return pieces.logits[: pad.logits]
+
+    def _zero_scratch(self) -> None:
+        """The padding sequence starts from a zero state, whatever the last step or a capture left there."""
+        if self.scratch_slot():
+            self.pool.zero(self.scratch_slot())
+            self.pool.flush()
 
     def _eager_attend(self, idx, attn, q_nope, q_rope, pool, b):
         """The padded step's attention run eagerly: the real tokens attend, the padding rows stay zero."""
