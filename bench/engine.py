@@ -266,7 +266,7 @@ def main() -> None:
     ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                     help="EngineConfig.compile: auto = on CUDA only")
     ap.add_argument("--prefill-graphs", choices=["auto", "on", "off"], default="auto",
-                    help="EngineConfig.prefill_graphs: auto = on where decode steps replay CUDA graphs")
+                    help="EngineConfig.prefill_graphs: auto = the engine's default (off)")
     ap.add_argument("--step-tokens", type=int, default=None,
                     help="EngineConfig.max_tokens_per_step (default: the engine's on CUDA (8192), 512 on CPU)")
     ap.add_argument("--out", type=Path, default=None)
@@ -315,7 +315,7 @@ def main() -> None:
             result["multi_turn_cold"] = multi_turn(model, device, args.turns, args.turn_tokens, 16, cfg)
         mt = multi_turn(model, device, args.turns, args.turn_tokens, 16, cfg)
         result["multi_turn"] = mt
-        if cuda and cfg.prefill_graphs is None:  # the same run without the prefill graphs, for their effect
+        if cuda and cfg.prefill_graphs:  # the same run without the prefill graphs, for their effect
             off = dataclasses.replace(cfg, prefill_graphs=False)
             result["multi_turn_prefill_graphs_off"] = multi_turn(model, device, args.turns, args.turn_tokens, 16, off)
         print(f"\nmulti-turn: {args.turns} turns of +{args.turn_tokens} tokens (16 generated per turn), "

@@ -196,7 +196,7 @@ def test_shared_prefill_on_cuda_generates_what_unshared_prefill_generates(backen
 
 @pytest.mark.parametrize("preset,dtype", [("k3-tiny", torch.float32), ("k3-small", torch.bfloat16)])
 def test_prefill_graphs_replay_what_the_padded_steps_compute_eagerly(preset, dtype, monkeypatch):
-    """The piecewise prefill graphs (the CUDA default) against the same padded steps run eagerly (the same kernels
+    """The piecewise prefill graphs against the same padded steps run eagerly (the same kernels
     and shapes, nothing captured): bit for bit, over steps of several buckets, prefix hits, a pause and an extension
     (test_prefill_graphs.py's workload), with at most two shapes kept so that graphs are evicted and captured again.
     In fp32, also against unpadded eager prefill: the same tokens, log-probs within 1e-4 (FLA's TF32 dots)."""
@@ -207,8 +207,8 @@ def test_prefill_graphs_replay_what_the_padded_steps_compute_eagerly(preset, dty
     model = make_model(preset, dtype)
     cfg = dict(memory_bytes=2**30, max_tokens_per_step=256, prefill_chunk=64, prefix_block_tokens=64,
                checkpoint_interval=64)
-    graphed = RolloutEngine(model, EngineConfig(**cfg))
-    eager = RolloutEngine(model, EngineConfig(**cfg))
+    graphed = RolloutEngine(model, EngineConfig(**cfg, prefill_graphs=True))
+    eager = RolloutEngine(model, EngineConfig(**cfg, prefill_graphs=True))
     eager._prefill_graphs = cuda_graphs.PrefillGraphs(eager.runner, eager.pool, capture=False)
     got, want = workload(graphed), workload(eager)
     assert graphed.stats().padded_prefill_steps == eager.stats().padded_prefill_steps >= 4
