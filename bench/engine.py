@@ -266,7 +266,7 @@ def main() -> None:
     ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                     help="EngineConfig.compile: auto = on CUDA only")
     ap.add_argument("--prefill-graphs", choices=["auto", "on", "off"], default="auto",
-                    help="EngineConfig.prefill_graphs: auto = the engine's default (off)")
+                    help="EngineConfig.prefill_graphs: auto = on where decode steps replay CUDA graphs")
     ap.add_argument("--step-tokens", type=int, default=None,
                     help="EngineConfig.max_tokens_per_step (default: the engine's on CUDA (8192), 512 on CPU)")
     ap.add_argument("--out", type=Path, default=None)
@@ -315,8 +315,10 @@ def main() -> None:
             result["multi_turn_cold"] = multi_turn(model, device, args.turns, args.turn_tokens, 16, cfg)
         mt = multi_turn(model, device, args.turns, args.turn_tokens, 16, cfg)
         result["multi_turn"] = mt
-        if cuda and cfg.prefill_graphs:  # the same run without the prefill graphs, for their effect
-            off = dataclasses.replace(cfg, prefill_graphs=False)
+        if cuda and cfg.prefill_graphs is not False:  # the same run without the prefill graphs, for their effect
+            off = dataclasses.replace(cfg, prefill_graphs=False)  # its own cold run: FLA's non-graph kernels compile
+            result["multi_turn_prefill_graphs_off_cold"] = multi_turn(model, device, args.turns, args.turn_tokens, 16,
+                                                                      off)
             result["multi_turn_prefill_graphs_off"] = multi_turn(model, device, args.turns, args.turn_tokens, 16, off)
         print(f"\nmulti-turn: {args.turns} turns of +{args.turn_tokens} tokens (16 generated per turn), "
               "whole conversation re-sent each turn")

@@ -76,9 +76,9 @@ class EngineConfig:
     cuda_graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256])
     # capture all-prefill steps too, piecewise (each MLA layer's attention stays eager between the pieces), padded to
     # a multiple of 512 tokens and 4/16/64/256 sequences (cuda_graphs.PrefillGraphs): a prefill step's ~850 launches
-    # cost ~50 ms of host time for a few ms of GPU work. None (the default): off for now (the captured graphs have
-    # not run on a GPU yet). True on CPU (or the torch backend) runs the same padded pieces eagerly, which only tests
-    # them
+    # cost ~50 ms of host time for a few ms of GPU work (a cached multi-turn turn 4.6x faster on the H200:
+    # docs/BENCHMARKS.md). None (the default): on where decode steps replay CUDA graphs. True on CPU (or the torch
+    # backend) runs the same padded pieces eagerly, which only tests them
     prefill_graphs: bool | None = None
     seed: int = 0  # seeds the generators of requests that bring no seed of their own
     # how sampled rows draw (sampling.py): "generator" (a torch.Generator per request, row by row) or "counter"
@@ -132,7 +132,7 @@ class EngineConfig:
             raise EngineConfigError(f"{own}.compile must be a bool or None (None: on CUDA only), got {self.compile!r}")
         if self.prefill_graphs is not None and not isinstance(self.prefill_graphs, bool):
             raise EngineConfigError(
-                f"{own}.prefill_graphs must be a bool or None (None: off), got "
+                f"{own}.prefill_graphs must be a bool or None (None: on where decode steps replay CUDA graphs), got "
                 f"{self.prefill_graphs!r}"
             )
         if self.async_decode is not None and not isinstance(self.async_decode, bool):

@@ -182,9 +182,7 @@ class RolloutEngine:
         self._prefill_graphs = None  # ... and of all-prefill steps, piecewise, per padded shape
         graphs = self._graphs_ok = self.device.type == "cuda" and config.cuda_graphs and config.backend == "auto"
         self.async_decode = config.async_decode if config.async_decode is not None else graphs
-        # None: off for now. Opt in with True: the CPU tests cover the padded steps, the captured graphs' GPU test
-        # is written but has not run on a GPU yet (docs/BENCHMARKS.md)
-        self.prefill_graphs = bool(config.prefill_graphs)
+        self.prefill_graphs = config.prefill_graphs if config.prefill_graphs is not None else graphs
         self._inflight: _InFlight | None = None
         self._unreported: dict[str, GenerationResult] = {}  # finished while settling a step, for the next step()
         self._progress = 0  # step() calls that did any work (generate()'s check that something can run)

@@ -130,7 +130,7 @@ def test_prefill_graphs_config_is_checked():
     assert EngineConfig().prefill_graphs is None
 
 
-def test_prefill_graphs_default_off(tiny):
+def test_prefill_graphs_default_off_on_cpu(tiny):
     engine = RolloutEngine(tiny, EngineConfig(memory_bytes=8 * 2**20))
     engine.generate([prompt(40, seed=1)], SamplingParams(max_tokens=2))
     assert not engine.prefill_graphs and engine.stats().padded_prefill_steps == 0
