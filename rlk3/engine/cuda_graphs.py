@@ -8,6 +8,9 @@ the MoE computes its experts densely), so it can be captured as is. Inputs live 
 ``n`` sequences is copied into the first ``n`` rows of the smallest captured size ``>= n``; the remaining rows point
 at a scratch KDA slot and a scratch MLA page held by this object, so they write nowhere that matters.
 
+``PrefillGraphs`` (below) captures all-prefill steps too, piecewise: padded to a bucket, one graph per stretch
+between MLA attention cores, which run eagerly in between.
+
 Weights are updated in place (``update_weights`` copies into the parameters, ``refresh_weights`` into the derived
 tensors), so captured graphs stay valid across updates. ``release_memory`` drops the graphs with the pool.
 """
