@@ -75,10 +75,10 @@ class EngineConfig:
     compile: bool | None = None
     cuda_graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256])
     # capture all-prefill steps too, piecewise (each MLA layer's attention stays eager between the pieces), padded to
-    # a multiple of 512 tokens and 4/16/64/256 sequences (cuda_graphs.PrefillGraphs): a prefill step's ~850 launches
-    # cost ~50 ms of host time for a few ms of GPU work (a cached multi-turn turn 4.6x faster on the H200:
-    # docs/BENCHMARKS.md). None (the default): on where decode steps replay CUDA graphs. True on CPU (or the torch
-    # backend) runs the same padded pieces eagerly, which only tests them
+    # 1/16 of the token count's octave (at least 128) and 4/16/64/256 sequences (cuda_graphs.PrefillGraphs): a
+    # prefill step's ~850 launches cost ~50 ms of host time for a few ms of GPU work (a cached multi-turn turn 4.6x
+    # faster on the H200: docs/BENCHMARKS.md). None (the default): on where decode steps replay CUDA graphs. True on
+    # CPU (or the torch backend) runs the same padded pieces eagerly, which only tests them
     prefill_graphs: bool | None = None
     seed: int = 0  # seeds the generators of requests that bring no seed of their own
     # how sampled rows draw (sampling.py): "generator" (a torch.Generator per request, row by row) or "counter"

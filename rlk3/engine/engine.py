@@ -33,7 +33,14 @@ from rlk3.engine.cuda_graphs import DecodeGraphs, PrefillGraphs, prefill_bucket
 from rlk3.engine.pool import PagedPool, PoolLayout, budget_bytes
 from rlk3.engine.prefix_cache import PrefixCache
 from rlk3.engine.request import FinishReason, GenerationResult, Request, RequestStatus
-from rlk3.engine.runner import ForwardBatch, GraphPad, ModelRunner, PackedPrefill, decode_conv_indices
+from rlk3.engine.runner import (
+    ForwardBatch,
+    GraphPad,
+    ModelRunner,
+    PackedPrefill,
+    decode_conv_indices,
+    static_parts,
+)
 from rlk3.engine.sampling import sample, sample_tensors, to_device
 from rlk3.engine.scheduler import Scheduler
 
@@ -703,7 +710,7 @@ class RolloutEngine:
             write_offsets=offsets_t, logit_rows=rows_t, conv_src=src_t, conv_new=new_t,
         )
         if bucket is not None:
-            fixed = sum(x.numel() for x in parts[:8])
+            fixed = sum(math.prod(shape) for _, shape in static_parts(len(ids), n_all, self.layout))
             batch.prefill_offsets = (cu_t, cu)
             batch.pad = GraphPad(tokens=T, seqs=n_all, logits=L, static=buf[:fixed])
         if has_mla and len(multi) > 1:
