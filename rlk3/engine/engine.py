@@ -20,14 +20,17 @@ that settled step returns its final result instead of raising.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import time
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from rlk3.engine import runner_cpu
 from rlk3.engine.config import EngineConfig, EngineConfigError, SamplingParams
 from rlk3.engine.cuda_graphs import DecodeGraphs, PrefillGraphs, prefill_bucket
 from rlk3.engine.pool import PagedPool, PoolLayout, budget_bytes
@@ -43,6 +46,7 @@ from rlk3.engine.runner import (
 )
 from rlk3.engine.sampling import sample, sample_tensors, to_device
 from rlk3.engine.scheduler import Scheduler
+from rlk3.model.ops import cpu as cpu_kernels
 
 # Consecutive multi-token sequences share one masked MLA attention while (new tokens) x (their cached + new tokens)
 # stays under this many mask entries (a larger step attends in several such runs): that saves per-sequence overhead
@@ -97,6 +101,7 @@ class PrefixCacheStats:
 @dataclass
 class EngineStats:
     version: int  # the current policy version
+    kernels: str  # which kernels run the model: "cpu" (rlk3's CPU kernels), "cuda" (FLA / Triton), "torch" (reference)
     steps: int
     prefill_tokens: int  # tokens computed in multi-token chunks (prompts, extensions, recomputation)
     decode_tokens: int  # tokens computed one per sequence per step
@@ -116,6 +121,11 @@ class EngineStats:
     num_finished: int  # finished and not yet released
     pool: PoolStats
     prefix_cache: PrefixCacheStats | None
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def _token_list(ids, name: str) -> list[int]:
@@ -178,7 +188,7 @@ class RolloutEngine:
         compile = config.compile if config.compile is not None else self.device.type == "cuda"
         sampler = config.sampler or ("counter" if self.device.type == "cuda" else "generator")
         self.counter_sampling = sampler == "counter"
-        self.runner = ModelRunner(model, self.layout, config.backend, compile=compile)
+        self.runner = self._runner(model, config, compile)
         self.version = 0
         self.released = False
         self._arrivals = itertools.count()
@@ -198,6 +208,19 @@ class RolloutEngine:
         self._capture_seconds = 0.0  # of prefill graphs since dropped (release_memory)
         self._steps = self._prefill_tokens = self._decode_tokens = self._generated = 0
         self._prefill_seconds = self._decode_seconds = 0.0
+
+    def _runner(self, model, config: EngineConfig, compile: bool) -> ModelRunner:
+        """The CPU kernels' runner for a float32 model on the CPU (``backend="auto"``), else the torch runner, whose
+        ops take FLA's and Triton's kernels on CUDA. ``self.kernels`` says which ran (and ``stats().kernels``)."""
+        if self.device.type == "cpu" and config.backend == "auto":
+            if runner_cpu.supported(model):
+                self.kernels = "cpu"
+                return runner_cpu.CPURunner(model, self.layout, config.backend, compile=compile)
+            if model.model.embed_tokens.weight.dtype == torch.float32 and not cpu_kernels.available():
+                _warn_once(f"rlk3 CPU kernels unavailable ({cpu_kernels.unavailable_reason()}); the engine runs the "
+                           "torch path, several times slower")
+        self.kernels = "torch" if self.device.type == "cpu" or config.backend == "torch" else "cuda"
+        return ModelRunner(model, self.layout, config.backend, compile=compile)
 
     # ------------------------------------------------------------------ requests
 
@@ -512,7 +535,7 @@ class RolloutEngine:
                 checkpoints_skipped=c.checkpoints_skipped,
             )
         return EngineStats(
-            version=self.version, steps=self._steps, prefill_tokens=self._prefill_tokens,
+            version=self.version, kernels=self.kernels, steps=self._steps, prefill_tokens=self._prefill_tokens,
             decode_tokens=self._decode_tokens, generated_tokens=self._generated,
             prefill_seconds=self._prefill_seconds, decode_seconds=self._decode_seconds,
             overlapped_steps=self._overlapped, padded_prefill_steps=self._padded_steps,
@@ -834,7 +857,8 @@ class RolloutEngine:
         if not wanted:
             return []
         keys = self._keys(wanted) if self.counter_sampling else None
-        tokens, logprobs = sample(logits, [r.sampling for r in wanted], [r.generator for r in wanted], keys=keys)
+        tokens, logprobs = sample(logits, [r.sampling for r in wanted], [r.generator for r in wanted], keys=keys,
+                                  cpu_kernels=self.kernels == "cpu")
         finished = []
         for req, tok, lp in zip(wanted, tokens, logprobs):
             finished += self._append(req, tok, lp)

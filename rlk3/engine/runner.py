@@ -238,8 +238,12 @@ class ModelRunner:
                 out = self._mla(i, layer.self_attn, h, pool, batch, attend or self.mla_attend)
             stream.write(out[None])
             stream.write(self._feed_forward(layer, self._read(stream, layer.mlp_res, layer.post_attention_layernorm)))
-        final = stream.final(core.output_res)[0, batch.logit_rows]
-        return self.model.lm_head(core.norm(final))
+        return self.model.lm_head(self._final(stream, batch.logit_rows))
+
+    def _final(self, stream, rows: torch.Tensor) -> torch.Tensor:
+        """The final norm of the stream's last read (the output mix) at the rows whose logits are wanted."""
+        core = self.model.model
+        return core.norm(stream.final(core.output_res)[0, rows])
 
     def _read(self, stream, mixer, norm) -> torch.Tensor:
         """``norm(stream.read(mixer))``, the same operations, with the stacking outside the compiled part."""
@@ -335,12 +339,8 @@ class ModelRunner:
         nd = b.num_decode
         outs = []
         if nd:
-            outs.append(
-                paged_mla_decode(
-                    q_nope[:nd], q_rope[:nd], latent_pages, rope_pages, b.block_tables[:nd], b.seq_lens[:nd],
-                    w_uk, w_uv, attn.scale, backend=self.backend,
-                )
-            )
+            outs.append(self._paged_decode(q_nope[:nd], q_rope[:nd], latent_pages, rope_pages, b.block_tables[:nd],
+                                           b.seq_lens[:nd], w_uk, w_uv, attn.scale))
         packed = {group.first: group for group in b.packed}
         offset, bs, j = nd, self.layout.block_size, 0
         while j < len(b.prefill_lens):
@@ -370,6 +370,11 @@ class ModelRunner:
             outs.append(o[0])
             offset, j = offset + n, j + 1
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _paged_decode(self, q_nope, q_rope, latent_pages, rope_pages, tables, seq_lens, w_uk, w_uv, scale):
+        """The single-token rows' attention over their paged latents (``paged_mla_decode``): ``[nd, H, v]``."""
+        return paged_mla_decode(q_nope, q_rope, latent_pages, rope_pages, tables, seq_lens, w_uk, w_uv, scale,
+                                backend=self.backend)
 
     # -- feed-forward
 

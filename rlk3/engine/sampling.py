@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from rlk3.engine.config import SamplingParams
+from rlk3.model.ops import cpu
 
 # splitmix64 (Steele, Lea & Flood 2014), in int64 arithmetic: multiplication wraps modulo 2^64 and a logical right
 # shift is an arithmetic one masked to the remaining bits
@@ -122,10 +123,15 @@ def sample_tensors(
 
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
-    keys: torch.Tensor | None = None,
+    keys: torch.Tensor | None = None, cpu_kernels: bool = False,
 ) -> tuple[list[int], list[float]]:
     """logits ``[n, V]`` (any float dtype) → (token per row, its logprob per row). ``keys`` ``[n, 2]`` (seed,
-    position) selects the counter sampler; None the per-request generators."""
+    position) selects the counter sampler; None the per-request generators. ``cpu_kernels``: an all-greedy batch of
+    float32 CPU logits takes the fused argmax + log-softmax kernel (one pass instead of ~0.5 ms of torch ops at
+    batch 32 x 4,096)."""
+    if cpu_kernels and logits.dtype == torch.float32 and logits.device.type == "cpu" and all(p.greedy for p in params):
+        tokens, chosen = cpu.argmax_logprob(logits)
+        return tokens.tolist(), chosen.tolist()
     tokens, chosen = sample_tensors(logits, params, generators, keys)
     # one device-to-host copy (each waits for the GPU); float64 holds every token id and float32 log-prob exactly
     drawn_tokens, logprobs = torch.stack([tokens.double(), chosen.double()]).tolist()
