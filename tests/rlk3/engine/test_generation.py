@@ -10,11 +10,15 @@ from tests.rlk3.engine._oracle import full_forward_logprobs, hf_greedy, hf_greed
 LENGTHS = [5, 9, 17, 33, 64, 65, 100, 128, 200, 257, 300, 384, 450, 513, 600, 700]
 
 
-def test_greedy_equals_hf_generate_with_chunked_prefill_and_continuous_batching(tiny):
+@pytest.mark.parametrize("backend", ["auto", "torch"], ids=["cpu-kernels", "torch-path"])
+def test_greedy_equals_hf_generate_with_chunked_prefill_and_continuous_batching(tiny, backend):
     """16 prompts of 5-700 tokens; prefill in chunks (a 160-token budget, 48-token fair shares), at most 6
-    sequences per step, requests arriving while others run and finishing at different steps."""
-    cfg = EngineConfig(memory_bytes=32 * 2**20, max_tokens_per_step=160, prefill_chunk=48, max_num_seqs=6)
+    sequences per step, requests arriving while others run and finishing at different steps. Both runners: the CPU
+    kernels (the default here) and the torch path (backend="torch", the reference)."""
+    cfg = EngineConfig(memory_bytes=32 * 2**20, max_tokens_per_step=160, prefill_chunk=48, max_num_seqs=6,
+                       backend=backend)
     engine = RolloutEngine(tiny, cfg)
+    assert engine.stats().kernels == ("cpu" if backend == "auto" else "torch")
     prompts = [prompt(n, seed=i) for i, n in enumerate(LENGTHS)]
     max_tokens = [6 + (i * 5) % 17 for i in range(len(prompts))]
     ids, results, chunked, mixed = {}, {}, False, False

@@ -1,8 +1,9 @@
 """Padded all-prefill steps (``EngineConfig.prefill_graphs``, cuda_graphs.PrefillGraphs). On CUDA they replay
 piecewise graphs; on CPU the same padded pieces run eagerly, which is what these tests check: the padding (a
 padding sequence on a scratch slot, empty sequences up to the bucket, rows dropped after the LM head) and the split
-at each MLA layer's attention change no result. The captured graphs themselves are checked on the H200
-(test_gpu.py)."""
+at each MLA layer's attention change no result. They run the torch path (backend="torch"), whose pieces are the ones
+CUDA captures (the CPU kernels ignore the padded builder's conv gathers and chunk indices). The captured graphs
+themselves are checked on the H200 (test_gpu.py)."""
 
 import pytest
 
@@ -37,7 +38,7 @@ def test_padded_prefill_steps_generate_what_plain_steps_generate(tiny):
     """The same tokens and log-probs (fp32: bit for bit here; bounded at 1e-6), with padded steps of several buckets
     really taken, and the pool's bookkeeping (the graphs' scratch pages included) intact throughout."""
     cfg = dict(memory_bytes=16 * 2**20, max_tokens_per_step=256, prefill_chunk=64, prefix_block_tokens=64,
-               checkpoint_interval=64)
+               checkpoint_interval=64, backend="torch")
     plain = RolloutEngine(tiny, EngineConfig(**cfg, prefill_graphs=False))
     padded = RolloutEngine(tiny, EngineConfig(**cfg, prefill_graphs=True))
     shapes = []
@@ -77,7 +78,7 @@ def test_mixed_and_oversized_steps_run_unpadded(tiny, monkeypatch):
     monkeypatch.setattr(engine_module, "prefill_bucket", lambda tokens, seqs, most: prefill_bucket(tokens, seqs, most)
                         if seqs < 3 else None)
     engine = RolloutEngine(tiny, EngineConfig(memory_bytes=16 * 2**20, max_tokens_per_step=64, prefill_chunk=16,
-                                              prefill_graphs=True))
+                                              prefill_graphs=True, backend="torch"))
     kinds = []
     build = engine._batch
 

@@ -23,8 +23,8 @@ def test_batched_experts_equal_the_model_moe(tiny, n):
 
 def test_graph_safe_decode_path_equals_the_eager_one(tiny):
     """Under CUDA-graph capture the runner avoids host syncs (dense experts); the same step must give the same
-    logits. Checked on CPU by running the capture-mode code eagerly."""
-    engine = RolloutEngine(tiny, EngineConfig(memory_bytes=8 * 2**20))
+    logits. Checked on CPU by running the capture-mode code of the torch path eagerly."""
+    engine = RolloutEngine(tiny, EngineConfig(memory_bytes=8 * 2**20, backend="torch"))
     for i in range(5):
         engine.add_request(prompt(20 + i, seed=i), SamplingParams(max_tokens=10))
     for _ in range(2):
@@ -175,11 +175,97 @@ def test_compiled_blocks_generate_what_the_eager_blocks_generate(tiny):
     bit-equal), over prefills of several lengths in one step and decode steps of several batch sizes."""
     prompts = [prompt(n, seed=n) for n in (5, 40, 300, 1)]
     sampling = SamplingParams(max_tokens=12, temperature=0)
-    eager = RolloutEngine(tiny, EngineConfig(memory_bytes=2**28)).generate(prompts, sampling)
-    engine = RolloutEngine(tiny, EngineConfig(memory_bytes=2**28, compile=True))
+    # the torch path: its blocks are what compile compiles (the CPU kernels replace them on a CPU by default)
+    eager = RolloutEngine(tiny, EngineConfig(memory_bytes=2**28, backend="torch")).generate(prompts, sampling)
+    engine = RolloutEngine(tiny, EngineConfig(memory_bytes=2**28, compile=True, backend="torch"))
     assert engine.runner.compiled
     compiled = engine.generate(prompts, sampling)
     for a, b in zip(compiled, eager):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-5
     assert not RolloutEngine(tiny, EngineConfig(memory_bytes=2**28)).runner.compiled  # off on CPU by default
+
+
+def _workload(engine: RolloutEngine, tiny) -> list:
+    """Prompts arriving together (decode rows beside prefill chunks), prefix-cache hits, a pause and resume, seeded
+    sampling, an extension of a finished turn and a weight update between turns."""
+    shared = prompt(300, seed=7)
+    sampled = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=3)
+    out = engine.generate([prompt(n, seed=n) for n in (5, 130, 1, 47, 700)] + [shared + prompt(60, seed=60)],
+                          [SamplingParams(max_tokens=7, temperature=0)] * 5 + [sampled])
+    out += engine.generate([shared + prompt(90, seed=90), prompt(2, seed=2)], SamplingParams(max_tokens=5,
+                                                                                             temperature=0))
+    rid = engine.add_request(prompt(150, seed=150), SamplingParams(max_tokens=6, temperature=0))
+    engine.step()
+    engine.pause(rid)
+    engine.resume(rid)
+    while engine.has_unfinished():
+        engine.step()
+    torch.manual_seed(11)
+    new = {name: p + 0.02 * torch.randn_like(p) for name, p in tiny.named_parameters() if "mlp" in name}
+    engine.update_weights(new, version=1)
+    engine.extend(rid, prompt(170, seed=170))
+    while engine.has_unfinished():
+        engine.step()
+    out.append(engine.result(rid))
+    return out
+
+
+def test_cpu_kernels_generate_what_the_torch_path_generates(tiny):
+    """The CPU runner (the default for a float32 model on a CPU) against the torch runner over a mixed workload: the
+    same tokens (greedy and seeded), log-probs within 1e-5, versions alike — before and after an in-place weight
+    update, which the CPU runner's derived weights (transposed experts, side-by-side projections) must follow."""
+    import copy
+
+    cfg = dict(memory_bytes=32 * 2**20, max_tokens_per_step=256, prefill_chunk=64, prefix_block_tokens=64,
+               checkpoint_interval=64)
+    results = {}
+    for backend in ("auto", "torch"):
+        model = copy.deepcopy(tiny)  # the workload updates the weights
+        engine = RolloutEngine(model, EngineConfig(**cfg, backend=backend))
+        assert engine.stats().kernels == ("cpu" if backend == "auto" else "torch")
+        results[backend] = (_workload(engine, model), model, engine.stats())
+    (kernels, model, stats), (ref, _, _) = results["auto"], results["torch"]
+    assert stats.prefix_cache.hit_tokens > 0
+    for a, b in zip(kernels, ref, strict=True):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= 1e-5
+        assert a.versions == b.versions
+    assert kernels[-1].versions == [1] * len(kernels[-1].token_ids)  # the turn after the update
+    assert all(set(r.versions) == {0} for r in kernels[:-1])
+
+
+def test_cpu_runner_refuses_a_step_that_points_outside_the_pool(tiny):
+    """The kernels take the runner's indices on trust; the runner checks them once per step, so a corrupt slot
+    raises instead of writing outside the pool."""
+    engine = RolloutEngine(tiny, EngineConfig(memory_bytes=8 * 2**20))
+    engine.add_request(prompt(20, seed=1), SamplingParams(max_tokens=4))
+    batch = engine._batch(engine.scheduler.schedule())
+    batch.slot_pages[0, 0] = engine.pool.num_pages
+    with pytest.raises(RuntimeError, match=r"slot_pages must be int64 pages in \[0, \d+\)"):
+        engine.runner.forward(engine.pool, batch)
+
+
+def test_engine_keeps_the_torch_path_where_the_cpu_kernels_cannot_build(tmp_path):
+    """No working compiler (or RLK3_CPU_KERNELS=0): the engine warns once, naming why, and runs the torch path."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import warnings, torch\n"
+        "from rlk3.engine import RolloutEngine, EngineConfig, SamplingParams\n"
+        "from rlk3.model import K3Config, K3ForCausalLM\n"
+        "m = K3ForCausalLM(K3Config()).eval()\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    e = RolloutEngine(m, EngineConfig(memory_bytes=8 * 2**20))\n"
+        "print(e.stats().kernels)\n"
+        "print([str(x.message) for x in w if 'CPU kernels' in str(x.message)])\n"
+        "print(len(e.generate([[1, 2, 3]], SamplingParams(max_tokens=3))[0].token_ids))\n"
+    )
+    env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "RLK3_KERNEL_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    kernels, warned, generated = out.stdout.splitlines()[-3:]
+    assert kernels == "torch" and generated == "3"
+    assert "rlk3 CPU kernels unavailable" in warned and "no-such-cc" in warned

@@ -14,8 +14,9 @@ from tests.rlk3.engine._oracle import assert_greedy_matches_full_forward, prompt
 @pytest.mark.slow
 @pytest.mark.parametrize("prefill_graphs", [False, True], ids=["plain", "padded-prefill"])
 def test_randomized_stress_of_500_requests(tiny, prefill_graphs):
-    """``padded-prefill``: every all-prefill step padded to a bucket (the CUDA default's batches, run eagerly), its
-    scratch slot and page taken from the same small pool."""
+    """``plain``: the engine's CPU default (the CPU kernels). ``padded-prefill``: every all-prefill step padded to a
+    bucket (the CUDA default's batches, run eagerly on the torch path whose pieces CUDA captures), its scratch slot
+    and page taken from the same small pool."""
     rng = random.Random(0)
     probe = RolloutEngine(tiny, EngineConfig(memory_bytes=4 * 2**20, block_size=16, prefix_block_tokens=16))
     page, slot = probe.layout.page_bytes, probe.layout.pages_per_slot
@@ -23,6 +24,7 @@ def test_randomized_stress_of_500_requests(tiny, prefill_graphs):
     cfg = EngineConfig(
         memory_bytes=budget, block_size=16, prefix_block_tokens=16, checkpoint_interval=32, max_num_seqs=10,
         max_tokens_per_step=96, prefill_chunk=24, spill_bytes=2 * 2**20, prefill_graphs=prefill_graphs,
+        backend="torch" if prefill_graphs else "auto",
     )
     engine = RolloutEngine(tiny, cfg)
     systems = [prompt(rng.randint(17, 40), seed=100 + i) for i in range(4)]  # shared prefixes: cache hits

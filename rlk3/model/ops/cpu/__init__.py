@@ -90,7 +90,13 @@ def _build() -> Path:
     target = _cache_dir() / f"rlk3_cpu_{key}.so"
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:  # an unwritable home: a per-user directory under the temp dir
+        target = Path(tempfile.gettempdir()) / f"rlk3-kernels-{os.getuid()}" / target.name
+        if target.exists():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
     # build beside the target and rename: processes that build at once (Ray workers) each see a whole file
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
@@ -171,6 +177,13 @@ def _pages(name: str, pool: torch.Tensor, inner: tuple[int, ...]) -> int:
     return pool.stride(0)
 
 
+def _ok(fn: str, rc: int) -> None:
+    if rc == 2:
+        raise MemoryError(f"{fn}: out of memory for its work buffers")
+    if rc:
+        raise CPUKernelError(f"{fn}: arguments out of range (code {rc})")
+
+
 def _act(act: str) -> int:
     if act not in ("situ", "silu"):
         raise CPUKernelError(f"act must be 'situ' or 'silu', got {act!r}")
@@ -216,8 +229,7 @@ def mix_norm(sources: list[torch.Tensor], key_weight: torch.Tensor | None, query
         n, ptrs, T, D, key_weight.data_ptr() if n > 1 else None, query_weight.data_ptr() if n > 1 else None,
         mix_eps, norm_weight.data_ptr() if norm_weight is not None else None, norm_eps, out.data_ptr(),
     )
-    if rc:
-        raise MemoryError("rlk3_mix_norm: out of memory")
+    _ok("rlk3_mix_norm", rc)
     return out
 
 
@@ -278,8 +290,7 @@ def kda_recurrent(
         state_page, A_log.data_ptr(), dt_bias.data_ptr(), lower_bound, K**-0.5 if scale is None else scale,
         norm_weight.data_ptr(), norm_eps, out.data_ptr(),
     )
-    if rc:
-        raise MemoryError("rlk3_kda_recurrent: out of memory")
+    _ok("rlk3_kda_recurrent", rc)
     return out
 
 
@@ -319,8 +330,7 @@ def mla_paged_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, latent_pages: to
         rope_pages.data_ptr(), rope_pages.stride(0), R, block_tables.data_ptr(), block_tables.stride(0),
         seq_lens.data_ptr(), latent_pages.shape[1], scale, out.data_ptr(),
     )
-    if rc:
-        raise MemoryError("rlk3_mla_paged_decode: out of memory")
+    _ok("rlk3_mla_paged_decode", rc)
     return out
 
 
@@ -351,8 +361,7 @@ def mla_decode(q: torch.Tensor, kv_b_weight: torch.Tensor, *, num_heads: int, no
         block_tables.stride(0), seq_lens.data_ptr(), latent_pages.shape[1], scale,
         gate.data_ptr() if gate is not None else None, gate.stride(0) if gate is not None else 0, out.data_ptr(),
     )
-    if rc:
-        raise MemoryError("rlk3_mla_decode: out of memory")
+    _ok("rlk3_mla_decode", rc)
     return out
 
 
@@ -401,8 +410,7 @@ def latent_moe(y: torch.Tensor, *, num_experts: int, top_k: int, latent: int, in
         gate_up_t.data_ptr(), down_t.data_ptr(), _act(act), beta, -1.0 if linear_beta is None else linear_beta,
         norm_weight.data_ptr() if norm_weight is not None else None, norm_eps, out.data_ptr(), out.stride(0),
     )
-    if rc:
-        raise MemoryError("rlk3_latent_moe: out of memory")
+    _ok("rlk3_latent_moe", rc)
     return out
 
 
@@ -414,6 +422,6 @@ def argmax_logprob(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if V < 1:
         raise CPUKernelError("logits must have at least one column")
     tokens, logprobs = torch.empty(n, dtype=torch.int64), torch.empty(n)
-    if _lib().rlk3_argmax_logprob(n, V, logits.data_ptr(), logits.stride(0), tokens.data_ptr(), logprobs.data_ptr()):
-        raise MemoryError("rlk3_argmax_logprob: out of memory")
+    _ok("rlk3_argmax_logprob",
+        _lib().rlk3_argmax_logprob(n, V, logits.data_ptr(), logits.stride(0), tokens.data_ptr(), logprobs.data_ptr()))
     return tokens, logprobs
