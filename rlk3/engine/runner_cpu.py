@@ -12,8 +12,9 @@ Per layer of a step:
 * Stable LatentMoE: one matmul for the router, the routed down-projection and the shared experts' gate and up
   halves; one call for routing, the experts (grouped by expert), the routed norm and the shared activation; one
   matmul for ``[routed_up_proj | shared down_proj]``, which adds the two paths. The dense MLP likewise;
-* MLA decode rows: the query absorption and output lift stay torch ``bmm``s around one call over the paged latents
-  (prefill attention stays with torch's fused SDPA).
+* MLA: in a decode-only step, one call from the queries to ``o_proj``'s input (absorption, attention over the paged
+  latents, the lift, the output gate); decode rows beside prefill chunks take torch ``bmm``s around one call over the
+  paged latents, and prefill attention stays with torch's fused SDPA.
 
 A layer the kernels do not cover (Kimi Linear's softplus gate, experts at the full width, a router recording scores
 for Quantile Balancing) runs ``ModelRunner``'s code for that part.
@@ -112,7 +113,7 @@ class CPURunner(ModelRunner):
     # -- the sub-layer inputs and the final norm
 
     def _read(self, stream, mixer, norm) -> torch.Tensor:
-        sources = stream.sources()  # [1, T, D] each, contiguous (embeddings, sums of sub-layer outputs)
+        sources = [src if src.is_contiguous() else src.contiguous() for src in stream.sources()]  # [1, T, D] each
         if len(sources) > 1:
             out = cpu.mix_norm(sources, mixer.norm_weight, self._query[mixer], mixer.eps, norm.weight, norm.eps,
                                check=False)
