@@ -43,7 +43,7 @@ def forced_tokens(streams):
     sees only the requests' SamplingParams)."""
     fed = [0] * len(streams)
 
-    def sample(logits, params, generators, keys=None):
+    def sample(logits, params, generators, keys=None, cpu_kernels=False):  # engine.sample's signature
         tokens = []
         for p in params:
             tokens.append(streams[p.seed][fed[p.seed]])
