@@ -106,8 +106,7 @@ static inline float exp_f(float x) {
 }
 
 /* 1/x for 1 <= x <= 1e38 (the denominators below): a bit-trick guess within 12%, then three Newton steps (error
- * ~1e-8).
- * A vector division is the slowest instruction of these loops (1 per ~10-16 cycles); this is six FMAs. */
+ * ~1e-8). A vector division is the slowest instruction of these loops (1 per ~10-16 cycles); this is six FMAs. */
 static inline float recip_f(float x) {
     float r = from_bits(0x7EF311C3 - to_bits(x));
     r = r * (2.0f - x * r);
@@ -183,11 +182,8 @@ static inline vf dot_lanes(const float *a, const float *b, i64 n) {
 }
 
 static inline float dot(const float *a, const float *b, i64 n) {
-    vf acc = {0};
-    i64 i = 0;
-    for (; i + VW <= n; i += VW) acc += vld(a + i) * vld(b + i);
-    float s = vsum(acc);
-    for (; i < n; i++) s += a[i] * b[i];
+    float s = vsum(dot_lanes(a, b, n));
+    for (i64 i = n - n % VW; i < n; i++) s += a[i] * b[i];
     return s;
 }
 
