@@ -2,6 +2,8 @@
 
 import torch
 
+from rlk3.engine import SamplingParams
+
 
 def prompt(n: int, seed: int, vocab: int = 4096) -> list[int]:
     g = torch.Generator().manual_seed(seed)
@@ -43,3 +45,30 @@ def assert_greedy_matches_full_forward(model, ids: list[int], generated: list[in
     rows = logits[len(ids) - 1 : len(ids) - 1 + len(generated)]
     assert rows.argmax(-1).tolist() == generated
     return torch.log_softmax(rows, -1).gather(1, torch.tensor(generated)[:, None])[:, 0].tolist()
+
+
+def mixed_workload(engine, sampled: bool = False, new_weights: dict | None = None) -> list:
+    """Prompts arriving together (steps of several sequences, short ones packed into one masked attention on CPU),
+    a prefix-cache hit (a prefill resuming mid-prompt), a pause and resume, and an extension of a finished turn —
+    after ``engine.update_weights(new_weights, version=1)`` when given. ``sampled``: the prompt that extends a cached
+    prefix is drawn with a seed (top-p) instead of greedily. Returns every result, in order."""
+    shared = prompt(300, seed=7)
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    last = SamplingParams(max_tokens=6, temperature=0.9, top_p=0.9, seed=3) if sampled else greedy
+    out = engine.generate([prompt(n, seed=n) for n in (5, 130, 2, 47, 19, 33)] + [shared + prompt(60, seed=60)],
+                          [greedy] * 6 + [last])
+    out += engine.generate([shared + prompt(90, seed=90), prompt(200, seed=200)],
+                           SamplingParams(max_tokens=5, temperature=0))
+    rid = engine.add_request(prompt(150, seed=150), SamplingParams(max_tokens=4, temperature=0))
+    engine.step()
+    engine.pause(rid)
+    engine.resume(rid)
+    while engine.has_unfinished():
+        engine.step()
+    if new_weights is not None:
+        engine.update_weights(new_weights, version=1)
+    engine.extend(rid, prompt(170, seed=170))
+    while engine.has_unfinished():
+        engine.step()
+    out.append(engine.result(rid))
+    return out

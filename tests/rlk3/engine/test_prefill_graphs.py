@@ -10,28 +10,7 @@ import pytest
 import rlk3.engine.engine as engine_module
 from rlk3.engine import EngineConfig, EngineConfigError, RolloutEngine, SamplingParams
 from rlk3.engine.cuda_graphs import PREFILL_SEQ_BUCKETS, prefill_bucket
-from tests.rlk3.engine._oracle import prompt
-
-
-def workload(engine: RolloutEngine) -> list:
-    """Prompts arriving together (steps of several sequences, short ones packed into one masked attention on CPU),
-    a prefix-cache hit (a prefill resuming mid-prompt), a pause and resume, and an extension of a finished turn."""
-    shared = prompt(300, seed=7)
-    out = engine.generate([prompt(n, seed=n) for n in (5, 130, 2, 47, 19, 33)] + [shared + prompt(60, seed=60)],
-                          SamplingParams(max_tokens=6, temperature=0))
-    out += engine.generate([shared + prompt(90, seed=90), prompt(200, seed=200)],
-                           SamplingParams(max_tokens=5, temperature=0))
-    rid = engine.add_request(prompt(150, seed=150), SamplingParams(max_tokens=4, temperature=0))
-    engine.step()
-    engine.pause(rid)
-    engine.resume(rid)
-    while engine.has_unfinished():
-        engine.step()
-    engine.extend(rid, prompt(170, seed=170))
-    while engine.has_unfinished():
-        engine.step()
-    out.append(engine.result(rid))
-    return out
+from tests.rlk3.engine._oracle import mixed_workload, prompt
 
 
 def test_padded_prefill_steps_generate_what_plain_steps_generate(tiny):
@@ -52,7 +31,7 @@ def test_padded_prefill_steps_generate_what_plain_steps_generate(tiny):
         return batch
 
     padded._batch = recorded
-    want, got = workload(plain), workload(padded)
+    want, got = mixed_workload(plain), mixed_workload(padded)
     for a, b in zip(got, want, strict=True):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= 1e-6

@@ -8,7 +8,7 @@ import rlk3.engine.engine as engine_module
 from rlk3.engine import EngineConfig, RolloutEngine, SamplingParams
 from rlk3.engine.runner import dense_experts, grouped_experts, latent_moe
 from tests._util import rel_err
-from tests.rlk3.engine._oracle import assert_greedy_matches_full_forward, prompt
+from tests.rlk3.engine._oracle import assert_greedy_matches_full_forward, mixed_workload, prompt
 
 
 @pytest.mark.parametrize("n", [1, 7, 64])
@@ -186,31 +186,6 @@ def test_compiled_blocks_generate_what_the_eager_blocks_generate(tiny):
     assert not RolloutEngine(tiny, EngineConfig(memory_bytes=2**28)).runner.compiled  # off on CPU by default
 
 
-def _workload(engine: RolloutEngine, tiny) -> list:
-    """Prompts arriving together (decode rows beside prefill chunks), prefix-cache hits, a pause and resume, seeded
-    sampling, an extension of a finished turn and a weight update between turns."""
-    shared = prompt(300, seed=7)
-    sampled = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=3)
-    out = engine.generate([prompt(n, seed=n) for n in (5, 130, 1, 47, 700)] + [shared + prompt(60, seed=60)],
-                          [SamplingParams(max_tokens=7, temperature=0)] * 5 + [sampled])
-    out += engine.generate([shared + prompt(90, seed=90), prompt(2, seed=2)], SamplingParams(max_tokens=5,
-                                                                                             temperature=0))
-    rid = engine.add_request(prompt(150, seed=150), SamplingParams(max_tokens=6, temperature=0))
-    engine.step()
-    engine.pause(rid)
-    engine.resume(rid)
-    while engine.has_unfinished():
-        engine.step()
-    torch.manual_seed(11)
-    new = {name: p + 0.02 * torch.randn_like(p) for name, p in tiny.named_parameters() if "mlp" in name}
-    engine.update_weights(new, version=1)
-    engine.extend(rid, prompt(170, seed=170))
-    while engine.has_unfinished():
-        engine.step()
-    out.append(engine.result(rid))
-    return out
-
-
 def test_cpu_kernels_generate_what_the_torch_path_generates(tiny):
     """The CPU runner (the default for a float32 model on a CPU) against the torch runner over a mixed workload: the
     same tokens (greedy and seeded), log-probs within 1e-5, versions alike — before and after an in-place weight
@@ -224,7 +199,9 @@ def test_cpu_kernels_generate_what_the_torch_path_generates(tiny):
         model = copy.deepcopy(tiny)  # the workload updates the weights
         engine = RolloutEngine(model, EngineConfig(**cfg, backend=backend))
         assert engine.stats().kernels == ("cpu" if backend == "auto" else "torch")
-        results[backend] = (_workload(engine, model), model, engine.stats())
+        torch.manual_seed(11)
+        new = {name: p + 0.02 * torch.randn_like(p) for name, p in model.named_parameters() if "mlp" in name}
+        results[backend] = (mixed_workload(engine, sampled=True, new_weights=new), model, engine.stats())
     (kernels, model, stats), (ref, _, _) = results["auto"], results["torch"]
     assert stats.prefix_cache.hit_tokens > 0
     for a, b in zip(kernels, ref, strict=True):
