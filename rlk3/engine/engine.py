@@ -47,6 +47,7 @@ from rlk3.engine.runner import (
 from rlk3.engine.sampling import sample, sample_tensors, to_device
 from rlk3.engine.scheduler import Scheduler
 from rlk3.model.ops import cpu as cpu_kernels
+from rlk3.model.ops.kda import fla_available
 
 # Consecutive multi-token sequences share one masked MLA attention while (new tokens) x (their cached + new tokens)
 # stays under this many mask entries (a larger step attends in several such runs): that saves per-sequence overhead
@@ -219,7 +220,8 @@ class RolloutEngine:
             if model.model.embed_tokens.weight.dtype == torch.float32 and not cpu_kernels.available():
                 _warn_once(f"rlk3 CPU kernels unavailable ({cpu_kernels.unavailable_reason()}); the engine runs the "
                            "torch path, several times slower")
-        self.kernels = "torch" if self.device.type == "cpu" or config.backend == "torch" else "cuda"
+        gpu_kernels = self.device.type == "cuda" and config.backend == "auto" and fla_available()
+        self.kernels = "cuda" if gpu_kernels else "torch"
         return ModelRunner(model, self.layout, config.backend, compile=compile)
 
     # ------------------------------------------------------------------ requests
