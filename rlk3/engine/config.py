@@ -69,7 +69,7 @@ class EngineConfig:
 
     # -- execution
     backend: str = "auto"  # "auto": FLA/Triton kernels on CUDA when importable, torch otherwise; "torch": always
-    cuda_graphs: bool = True  # capture the decode step on CUDA (ignored on CPU)
+    cuda_graphs: bool = True  # capture the decode step on CUDA (only over FLA's kernels: ignored on CPU or without)
     # torch.compile the per-token blocks between attention kernels (runner.py); None (the default): on CUDA only,
     # where it halves a decode step (docs/BENCHMARKS.md); on CPU it gains nothing and costs compile time
     compile: bool | None = None

@@ -198,7 +198,9 @@ class RolloutEngine:
         self._decode_index_cache: dict[int, tuple[torch.Tensor, ...]] = {}
         self._graphs = None  # CUDA graphs of the decode step, captured on first use (cuda_graphs.py)
         self._prefill_graphs = None  # ... and of all-prefill steps, piecewise, per padded shape
-        graphs = self._graphs_ok = self.device.type == "cuda" and config.cuda_graphs and config.backend == "auto"
+        # CUDA graphs only over the kernel path: FLA's chunked KDA has a graph mode, the torch reference reads
+        # sequence lengths on the host (it cannot be captured), and without FLA the torch path runs eagerly
+        graphs = self._graphs_ok = self.kernels == "cuda" and config.cuda_graphs
         self.async_decode = config.async_decode if config.async_decode is not None else graphs
         self.prefill_graphs = config.prefill_graphs if config.prefill_graphs is not None else graphs
         self._inflight: _InFlight | None = None
@@ -221,6 +223,9 @@ class RolloutEngine:
                 _warn_once(f"rlk3 CPU kernels unavailable ({cpu_kernels.unavailable_reason()}); the engine runs the "
                            "torch path, several times slower")
         gpu_kernels = self.device.type == "cuda" and config.backend == "auto" and fla_available()
+        if self.device.type == "cuda" and config.backend == "auto" and not gpu_kernels:
+            _warn_once("flash-linear-attention (fla-core, with triton) is not importable: the engine runs the torch "
+                       "path on CUDA, eagerly (no CUDA graphs), several times slower")
         self.kernels = "cuda" if gpu_kernels else "torch"
         return ModelRunner(model, self.layout, config.backend, compile=compile)
 

@@ -222,3 +222,37 @@ def test_prefill_graphs_replay_what_the_padded_steps_compute_eagerly(preset, dty
         for a, b in zip(got, plain, strict=True):
             assert a.token_ids == b.token_ids
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= 1e-3
+
+
+def test_cuda_without_fla_runs_the_torch_path_eagerly():
+    """A CUDA machine where flash-linear-attention is not importable (not installed, or no triton): the defaults
+    would capture graphs, but the torch KDA reads sequence lengths on the host, so a capture of it fails
+    ("Cannot copy between CPU and CUDA tensors during CUDA graph capture", seen on the H200 before this test). The
+    engine must warn, run the torch path eagerly, and generate what an explicit ``backend="torch"`` engine does.
+    In a child process, since which kernels import is decided once per process."""
+    code = """
+import json, sys, warnings
+sys.modules["fla"] = None  # flash-linear-attention not installed
+import torch
+from rlk3.engine import EngineConfig, RolloutEngine, SamplingParams
+from rlk3.model import K3Config, K3ForCausalLM
+torch.manual_seed(0)
+model = K3ForCausalLM(K3Config()).cuda().eval()
+g = torch.Generator().manual_seed(5)
+prompts = [torch.randint(1, model.config.vocab_size, (n,), generator=g).tolist() for n in (7, 300, 1100)]
+sampling = SamplingParams(max_tokens=12, temperature=0)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    engine = RolloutEngine(model, EngineConfig(memory_bytes=2**28))
+out = engine.generate(prompts, sampling)
+ref = RolloutEngine(model, EngineConfig(memory_bytes=2**28, backend="torch")).generate(prompts, sampling)
+stats = engine.stats()
+print(json.dumps(dict(kernels=stats.kernels, padded=stats.padded_prefill_steps, warned=[str(w.message) for w in caught],
+                      tokens=[r.token_ids for r in out], ref=[r.token_ids for r in ref])))
+"""
+    child = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stderr[-4000:]
+    out = json.loads(child.stdout.splitlines()[-1])
+    assert out["kernels"] == "torch" and out["padded"] == 0  # no prefill graphs (nor their padding)
+    assert any("flash-linear-attention" in w and "not importable" in w for w in out["warned"])
+    assert out["tokens"] == out["ref"] and all(len(t) == 12 for t in out["tokens"])
