@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from rlk3.engine.pool import PagedPool, PoolLayout
 from rlk3.model.layers.attn_res import AttnResStream, ResidualStream
@@ -404,8 +405,10 @@ def prefill_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale, mask=No
 
     ``prefix`` > 0: the queries are the last ``T`` of ``S = prefix + T`` positions and attend causally (a cached
     prefix and its extension). On CPU that runs as two fused calls merged by their log-sum-exps (``_prefix_causal``)
-    instead of one call with a ``[T, S]`` mask. On CUDA the masked call (the memory-efficient kernel) measured as
-    fast as the merge of two flash calls (0.81 vs 0.86 ms at T = 2K, S = 20K, k3-small's heads, H200), so it stays."""
+    instead of one call with a ``[T, S]`` mask. On CUDA it is one call with PyTorch's lower-right causal bias, which
+    the fused kernels apply without a mask tensor: 1.10-1.27x faster than the boolean ``[T, S]`` mask at k3-small's
+    heads on the H200 (0.49 vs 0.59 ms at T = 2,112, S = 10,304; 1.51 vs 1.92 ms at 8,192 over 16,384), which in turn
+    measured as fast as the merge of two flash calls. (On CPU the bias costs 2x the merge: it builds the mask.)"""
     H = q_nope.shape[2]
     k_nope = torch.einsum("bsl,hdl->bhsd", latent, w_uk.to(latent.dtype))
     v = torch.einsum("bsl,hdl->bhsd", latent, w_uv.to(latent.dtype))
@@ -418,10 +421,9 @@ def prefill_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale, mask=No
         q, k = F.pad(q, (0, v_dim - qk_dim)), F.pad(k, (0, v_dim - qk_dim))
     if prefix and q.device.type == "cpu":
         o = _prefix_causal(q, k, v, prefix, scale)
+    elif prefix:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]), scale=scale)
     else:
-        if prefix:
-            pos = torch.arange(k.shape[2], device=q.device)
-            mask = (pos[None, :] <= pos[prefix:, None])[None]
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=None if mask is None else mask[:, None], is_causal=causal, scale=scale
         )

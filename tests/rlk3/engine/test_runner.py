@@ -145,22 +145,30 @@ def test_step_batch_equals_its_per_token_definition(tiny):
 @pytest.mark.parametrize("qk,v", [(48, 32), (96, 128), (64, 64)])
 def test_prefill_attention_equals_mla_attention(qk, v):
     """The padded-head SDPA call equals the model's decompressed MLA attention, masked and causal."""
+    check_prefill_attention(qk, v, "cpu")
+
+
+def check_prefill_attention(qk: int, v: int, device: str) -> None:
+    """(Also run on CUDA by test_gpu.py, where a cached prefix's extension takes the lower-right causal bias.)"""
     from rlk3.engine.runner import prefill_attention
     from rlk3.model.ops.mla import mla_attention
 
     rope = 16
     B, T, S, H, L = 1, 40, 100, 4, 24
-    q_nope, q_rope = torch.randn(B, T, H, qk - rope), torch.randn(B, T, H, rope)
-    latent, k_rope = torch.randn(B, S, L), torch.randn(B, S, rope)
-    w_uk, w_uv = torch.randn(H, qk - rope, L) * 0.2, torch.randn(H, v, L) * 0.2
-    mask = (torch.arange(S)[None, :] <= (S - T + torch.arange(T))[:, None])[None]
+    g = torch.Generator().manual_seed(qk * 1000 + v)
+    r = lambda *shape: torch.randn(*shape, generator=g).to(device)  # noqa: E731
+    q_nope, q_rope = r(B, T, H, qk - rope), r(B, T, H, rope)
+    latent, k_rope = r(B, S, L), r(B, S, rope)
+    w_uk, w_uv = r(H, qk - rope, L) * 0.2, r(H, v, L) * 0.2
+    mask = (torch.arange(S)[None, :] <= (S - T + torch.arange(T))[:, None])[None].to(device)
     got = prefill_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, 0.1, mask)
     assert got.shape == (B, T, H, v)
     assert rel_err(got, mla_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, 0.1, mask)) <= 1e-5
     got = prefill_attention(q_nope, q_rope, latent[:, :T], k_rope[:, :T], w_uk, w_uv, 0.1, causal=True)
     ref = mla_attention(q_nope, q_rope, latent[:, :T], k_rope[:, :T], w_uk, w_uv, 0.1, causal=True)
     assert rel_err(got, ref) <= 1e-5
-    # a cached prefix of S - T positions and its extension: two fused calls merged by log-sum-exp on CPU
+    # a cached prefix of S - T positions and its extension: two fused calls merged by log-sum-exp on CPU, the
+    # lower-right causal bias on CUDA
     ref = mla_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, 0.1, mask)
     assert rel_err(prefill_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, 0.1, prefix=S - T), ref) <= 1e-5
     bf = [t.bfloat16() for t in (q_nope, q_rope, latent, k_rope)]  # the merge keeps the input dtype
