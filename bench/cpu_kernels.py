@@ -166,6 +166,17 @@ def mla_case(cfg: K3Config, B: int, context: int):
     return kernel, reference
 
 
+def cpu_name() -> str:
+    """The CPU's model name (``platform.processor()`` is empty on most Linux systems)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)
@@ -197,7 +208,7 @@ def main() -> None:
     for r in rows:
         print(f"| {r['kernel']} | {r['shape']} | {r['kernel_us']:.0f} | {r['torch_us']:.0f} | {r['speedup']:.1f}x |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(threads=args.threads, torch=torch.__version__, cpu=platform.processor(),
+    args.out.write_text(json.dumps(dict(threads=args.threads, torch=torch.__version__, cpu=cpu_name(),
                                         rows=rows), indent=2))
     print(f"\nwrote {args.out}")
 
