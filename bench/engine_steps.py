@@ -1,9 +1,12 @@
 """Where a multi-turn conversation's prefill time goes, step by step (issue 3's multi-turn goal): the benchmark's
 10 turns of +2,048 tokens (16 generated each), with the prefix cache and without, each run cold (compiling, capturing)
 and then warm, printing every prefill step's new tokens, padding and time (synchronised around each step, so
-each includes one device synchronisation). On CUDA it first times one MLA layer's attention of a turn's queries
-over a cached prefix three ways (k3-small's heads: the engine's call, SDPA with a boolean [T, S] mask, SDPA with
-the lower-right causal bias), and ``--profile pc:10,no:6`` prints kernel tables of those warm turns.
+each includes one device synchronisation). On CUDA that synchronisation also serialises a step's host work with the
+previous step's GPU work, which the engine otherwise overlaps: there the times are upper bounds per step, and
+``bench/engine.py``'s unsynchronised turn totals are the pipeline's cost. On CUDA the script first times one MLA
+layer's attention of a turn's queries over a cached prefix three ways (k3-small's heads: the engine's call, SDPA with
+a boolean [T, S] mask, SDPA with the lower-right causal bias), and ``--profile pc:10,no:6`` prints kernel tables of
+those warm turns.
 
     python bench/engine_steps.py --device cuda [--profile pc:10,no:6,no:10]
 
