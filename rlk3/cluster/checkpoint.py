@@ -63,6 +63,15 @@ class Checkpoints:
         return None
 
 
+def resume_point(ckpts: Checkpoints, metrics: MetricsLog, resume: bool) -> Saved | None:
+    """The checkpoint a run continues from (None: iteration 0). Rows of the iterations it will run again are dropped
+    from ``metrics.jsonl`` — also when there is no checkpoint yet: a run killed after writing iteration 0's row but
+    before its first checkpoint starts over at 0 and would otherwise log that iteration twice."""
+    saved = ckpts.latest() if resume else None
+    metrics.truncate(saved.iteration if saved is not None else 0)
+    return saved
+
+
 class MetricsLog:
     """``metrics.jsonl`` (one object per iteration, the report's input: docs/report.md) and TensorBoard scalars."""
 

@@ -18,7 +18,7 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlk3.cluster.checkpoint import Checkpoints, MetricsLog
+from rlk3.cluster.checkpoint import Checkpoints, MetricsLog, resume_point
 from rlk3.cluster.workers import RolloutWorker, TrainWorker, budget_fn
 from rlk3.config import heldout_sizes
 from rlk3.rollout.trajectory import Trajectory
@@ -30,9 +30,8 @@ def run_rl(cfg, log=print) -> Path:
     cluster = Cluster(cfg, out)
     ckpts, metrics = Checkpoints(out / "checkpoints"), MetricsLog(out, cfg)
     start, rollout_state = 0, None
-    if cfg.run.resume and (saved := ckpts.latest()) is not None:
+    if (saved := resume_point(ckpts, metrics, cfg.run.resume)) is not None:
         start, rollout_state = cluster.restore(saved), saved.rollout
-        metrics.truncate(start)
         log(f"rl: resumed from {saved.path} at iteration {start}")
     _, budget = budget_fn(cfg)
     samples = metrics.last("samples", 0)
