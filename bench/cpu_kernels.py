@@ -168,13 +168,8 @@ def mla_case(cfg: K3Config, B: int, context: int):
 
 def cpu_name() -> str:
     """The CPU's model name (``platform.processor()`` is empty on most Linux systems)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    line = cpu.cpuinfo_line("model name")
+    return line.split(":", 1)[1].strip() if line else platform.processor() or platform.machine()
 
 
 def main() -> None:

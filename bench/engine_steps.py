@@ -23,19 +23,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from engine import sync  # bench/ is the script's directory
+from engine_profile import profiled, show
 from torch.nn.attention.bias import causal_lower_right
-from torch.profiler import ProfilerActivity, profile
 
 from rlk3.engine import EngineConfig, RolloutEngine, SamplingParams
 from rlk3.engine.runner import prefill_attention
 from rlk3.model import K3Config, K3ForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def attention_bench(device: torch.device) -> list[dict]:
@@ -81,13 +77,6 @@ def attention_row(T: int, S: int, device: torch.device, g: torch.Generator) -> d
     return row
 
 
-def kernel_table(prof, top: int = 25) -> tuple[float, int, list]:
-    rows = [(e.device_time_total / 1e3, e.count, e.key[:100]) for e in prof.key_averages()
-            if e.device_type.name == "CUDA" and e.device_time_total]
-    rows.sort(key=lambda r: -r[0])
-    return sum(r[0] for r in rows), sum(r[1] for r in rows), rows[:top]
-
-
 def conversation(model, device, cfg: EngineConfig, profile_turns=()) -> list[dict]:
     """The multi-turn benchmark's conversation with every prefill step timed."""
     gc.collect()
@@ -113,14 +102,11 @@ def conversation(model, device, cfg: EngineConfig, profile_turns=()) -> list[dic
     for turn in range(1, 11):
         conv = conv + torch.randint(1, vocab, (2048,), generator=g).tolist()
         first = len(log)
-        if turn in profile_turns:
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                res = engine.generate([conv], sampling)[0]
-                sync(device)
-            total, n, rows = kernel_table(prof)
-            print(f"\n== turn {turn} (profiled; its 16 decode steps included): GPU {total:.1f} ms in {n} kernels")
-            for ms, count, name in rows:
-                print(f"{ms:8.3f} ms {count:6d}x {name}")
+        if turn in profile_turns:  # kernel tables: CUDA only (engine_profile.profiled synchronises the GPU)
+            out = []
+            rows, wall = profiled(lambda c=conv, o=out: o.append(engine.generate([c], sampling)[0]))
+            show(f"turn {turn} (profiled; its 16 decode steps included)", rows, wall, 1)
+            res = out[0]
         else:
             res = engine.generate([conv], sampling)[0]
         turns.append(dict(turn=turn, context=len(conv), cached=res.num_cached_tokens, profiled=turn in profile_turns,
@@ -136,7 +122,8 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    torch.set_num_threads(1) if not cuda else None
+    if not cuda:
+        torch.set_num_threads(1)
     preset, dtype = ("k3-small", torch.bfloat16) if cuda else ("k3-tiny", torch.float32)
     torch.manual_seed(0)
     model = K3ForCausalLM(K3Config.preset(preset)).to(device, dtype).eval()

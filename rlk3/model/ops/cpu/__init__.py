@@ -71,15 +71,20 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("RLK3_KERNEL_CACHE") or Path.home() / ".cache" / "rlk3" / "kernels")
 
 
-def _cpu_features() -> str:
-    """What ``-march=native`` compiles for: a library built on one CPU may not run on another (a shared cache)."""
+def cpuinfo_line(*keys: str) -> str | None:
+    """The first ``/proc/cpuinfo`` line that starts with one of ``keys`` (None where there is no such file)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
+            if line.startswith(keys):
                 return line
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def _cpu_features() -> str:
+    """What ``-march=native`` compiles for: a library built on one CPU may not run on another (a shared cache)."""
+    return cpuinfo_line("flags", "Features") or platform.processor() or platform.machine()
 
 
 def _build() -> Path:
