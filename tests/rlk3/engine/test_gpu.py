@@ -257,11 +257,3 @@ print(json.dumps(dict(kernels=stats.kernels, padded=stats.padded_prefill_steps, 
     assert any("flash-linear-attention" in w and "not importable" in w for w in out["warned"])
     assert out["tokens"] == out["ref"] and all(len(t) == 12 for t in out["tokens"])
 
-
-@pytest.mark.parametrize("qk,v", [(48, 32), (96, 128), (64, 64)])
-def test_prefill_attention_on_cuda_equals_mla_attention(qk, v):
-    """test_runner.py's check on CUDA (fp32, without TF32 in these SDPA kernels): masked, causal, and a cached
-    prefix's extension, which on CUDA takes PyTorch's lower-right causal bias instead of a [T, S] mask."""
-    from tests.rlk3.engine.test_runner import check_prefill_attention
-
-    check_prefill_attention(qk, v, "cuda")

@@ -142,14 +142,15 @@ def test_step_batch_equals_its_per_token_definition(tiny):
     assert engine.stats().prefix_cache.hit_tokens > 0  # a prefill that starts past the sequence's beginning
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                         reason="needs a CUDA GPU")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("qk,v", [(48, 32), (96, 128), (64, 64)])
-def test_prefill_attention_equals_mla_attention(qk, v):
-    """The padded-head SDPA call equals the model's decompressed MLA attention, masked and causal."""
-    check_prefill_attention(qk, v, "cpu")
-
-
-def check_prefill_attention(qk: int, v: int, device: str) -> None:
-    """(Also run on CUDA by test_gpu.py, where a cached prefix's extension takes the lower-right causal bias.)"""
+def test_prefill_attention_equals_mla_attention(qk, v, device):
+    """The padded-head SDPA call equals the model's decompressed MLA attention, masked and causal. On CUDA (fp32, no
+    TF32 in these SDPA kernels; marked gpu) a cached prefix's extension takes PyTorch's lower-right causal bias."""
     from rlk3.engine.runner import prefill_attention
     from rlk3.model.ops.mla import mla_attention
 
