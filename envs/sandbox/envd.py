@@ -180,11 +180,23 @@ class ProcessService(Process):
                         ) from None
                     yield _event("keepalive", None)
                     continue
-                if (
-                    kind == "gone"
-                ):  # paused or killed: the stream ends; the process may live on (memory pause)
+                if kind == "gone":
                     ended = True
-                    return
+                    if link.detaching:  # paused or snapshotted: the process may live on (memory pause)
+                        raise ConnectError(
+                            Code.CANCELED,
+                            f"the sandbox was paused while command {p.pid} ran; after resume, "
+                            "commands.connect(pid) follows it again if it survived the pause",
+                        )
+                    # The agent died under us: the sandbox was killed, or its runtime was (the host's OOM
+                    # killer takes a gVisor Sentry at the memory limit). Ending the stream quietly would
+                    # leave the SDK with "Command ended without an end event"; UNAVAILABLE makes it probe
+                    # the sandbox and raise a SandboxException that says whether it is still running.
+                    raise ConnectError(
+                        Code.UNAVAILABLE,
+                        f"the connection to the sandbox ended before command {p.pid} completed: "
+                        "its agent is gone (the sandbox was killed or its runtime died)",
+                    )
                 if kind == "end":
                     ended = True
                     yield _event("end", data)

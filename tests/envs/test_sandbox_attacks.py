@@ -158,6 +158,9 @@ def test_fork_bomb_is_capped_by_the_pids_limit(server, sandbox, backend):
     run(go())
 
 
+_FORCED_CHARGE_SLACK = 64 * 4096
+
+
 def _cmdline(pid: int) -> bytes:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -188,10 +191,14 @@ def test_memory_bomb_is_oom_killed_inside_only(server, sandbox, backend):
                     assert (await sandbox.commands.run("echo still-alive")).stdout == "still-alive\n"
                 except SandboxException:
                     assert not [p for p in server.cgroup_procs(sid) if _cmdline(p).startswith(b"runsc-sandbox")]
-            # either way the sandbox never held more than its limit, and the others are unaffected
-            assert int((memcg / "memory.max_usage_in_bytes").read_text()) <= int(
-                (memcg / "memory.limit_in_bytes").read_text()
-            )
+            # either way the sandbox never held more than its limit, and the others are unaffected. The
+            # kernel force-charges a task that is already dying (an OOM victim, or one with SIGKILL
+            # pending) past the limit rather than fail its allocation: at most one charge batch
+            # (MEMCG_CHARGE_BATCH = 64 pages). CI saw one page over when the Sentry was killed; a
+            # limit that was not enforced would be overrun by the 64 MiB allocations themselves.
+            peak = int((memcg / "memory.max_usage_in_bytes").read_text())
+            limit = int((memcg / "memory.limit_in_bytes").read_text())
+            assert peak <= limit + _FORCED_CHARGE_SLACK, f"peak {peak} B over the {limit} B limit"
             assert (await bystander.commands.run("echo fine")).stdout == "fine\n"
         finally:
             await bystander.kill()

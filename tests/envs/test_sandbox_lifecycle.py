@@ -6,11 +6,13 @@ sandbox through its metadata, on one server."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import time
 
 import pytest
-from e2b import AsyncSandbox, CommandExitException, NotFoundException, TimeoutException
+from e2b import AsyncSandbox, CommandExitException, NotFoundException, SandboxException, TimeoutException
 
 from envs.sandbox.client import SandboxClient, SandboxSettings
 
@@ -121,6 +123,38 @@ def test_background_processes_stdin_and_kill(server, backend):
                 raise AssertionError("killed process still listed")
         finally:
             await sbx.kill()
+
+    run(go())
+
+
+def test_a_command_whose_sandbox_dies_or_pauses_under_it_raises_a_sandbox_error(server, backend):
+    """A stream cut by the sandbox's death (its processes SIGKILLed from the host, as the host's OOM killer
+    does to a gVisor Sentry) or by a pause ends with an error the SDK types, never with the SDK's bare
+    "Command ended without an end event" (a CI run of the gVisor memory-bomb test hit exactly that)."""
+
+    async def go():
+        dying = await AsyncSandbox.create(metadata=on(backend))
+        paused = await AsyncSandbox.create(metadata=on(backend))
+        try:
+            h = await dying.commands.run("sleep 300", background=True, timeout=0)
+            assert h.pid in {p.pid for p in await dying.commands.list()}
+            for pid in server.cgroup_procs(dying.sandbox_id):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            with pytest.raises(SandboxException) as died:
+                await asyncio.wait_for(h.wait(), 30)
+            # the SDK probes the sandbox on UNAVAILABLE; its error carries the stream's as the cause
+            said = f"{died.value} <- {died.value.__cause__}"
+            assert f"before command {h.pid} completed" in said and "agent is gone" in said, said
+
+            h = await paused.commands.run("sleep 300", background=True, timeout=0)
+            assert await paused.pause()
+            with pytest.raises(TimeoutException) as cut:
+                await asyncio.wait_for(h.wait(), 30)
+            assert f"paused while command {h.pid} ran" in str(cut.value)
+        finally:
+            await dying.kill()
+            await paused.kill()
 
     run(go())
 
