@@ -58,7 +58,11 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     prefix_block_tokens: int = 512  # hash-block size; MLA entries are reusable at every such boundary
     checkpoint_interval: int = 2048  # KDA state checkpoints every this many tokens (a multiple of the block)
-    checkpoint_prompt_end: bool = True  # ... and at the last boundary of every prompt / extension (a turn end)
+    # ... and at the last boundary of every prompt / extension (a turn end), plus a tail checkpoint at its exact end
+    checkpoint_prompt_end: bool = True
+    # a tail checkpoint where a finished generation's computed tokens end: an agent loop that re-sends the
+    # conversation with the model's reply resumes after the reply instead of recomputing it
+    checkpoint_generation_end: bool = True
     spill_bytes: int = 0  # evicted prefix blocks may spill to CPU memory up to this many bytes (0 = drop them)
     # requests whose prompt equals one being prefilled wait for it and continue from a copy of its cache (KDA state,
     # MLA pages shared): a GRPO group's prompt is computed once, not once per sample (scheduler.py)
@@ -125,8 +129,8 @@ class EngineConfig:
                 f"(checkpoints sit on block boundaries), got {self.checkpoint_interval}"
             )
         _int(own, "spill_bytes", self.spill_bytes, 0)
-        for key in ("enable_prefix_cache", "share_prefill", "checkpoint_prompt_end", "recompute_on_weight_update",
-                    "cuda_graphs"):
+        for key in ("enable_prefix_cache", "share_prefill", "checkpoint_prompt_end", "checkpoint_generation_end",
+                    "recompute_on_weight_update", "cuda_graphs"):
             _bool(own, key, getattr(self, key))
         if self.compile is not None and not isinstance(self.compile, bool):
             raise EngineConfigError(f"{own}.compile must be a bool or None (None: on CUDA only), got {self.compile!r}")

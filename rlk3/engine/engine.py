@@ -86,8 +86,9 @@ class PoolStats:
 
 @dataclass
 class PrefixCacheStats:
-    blocks: int  # cached hash blocks on the device
+    blocks: int  # cached hash blocks on the device (tails included)
     checkpoints: int  # of which carry a KDA checkpoint
+    tails: int  # of which are tails: a partial block at a prompt's or a generation's end, with its checkpoint
     lookups: int
     hits: int  # admissions that resumed from a checkpoint
     hit_tokens: int  # prompt tokens not recomputed thanks to the cache
@@ -97,6 +98,8 @@ class PrefixCacheStats:
     restores: int  # spilled blocks brought back on a hit
     checkpoints_taken: int
     checkpoints_skipped: int  # no room for a checkpoint even after eviction
+    tails_taken: int
+    tail_hits: int  # of the hits, those that resumed after a tail
 
 
 @dataclass
@@ -241,7 +244,8 @@ class RolloutEngine:
     ) -> str:
         """Queues a prompt; returns its id. ``turn_ends``: positions in the prompt where earlier turns end (the
         agent loop's marks); the last block boundary at or before each keeps a KDA checkpoint in the prefix cache,
-        as does the prompt's own end (``checkpoint_prompt_end``)."""
+        as does the prompt's own end (``checkpoint_prompt_end``, which also keeps a tail checkpoint at each exact
+        position, prefix_cache.py)."""
         self._settle()
         sampling = self._check_sampling(sampling)
         tokens = self._check_tokens(prompt_ids, "prompt_ids")
@@ -536,10 +540,10 @@ class RolloutEngine:
         if self.prefix is not None:
             c = self.prefix
             prefix = PrefixCacheStats(
-                blocks=c.num_blocks, checkpoints=c.num_checkpoints, lookups=c.lookups, hits=c.hits,
+                blocks=c.num_blocks, checkpoints=c.num_checkpoints, tails=c.num_tails, lookups=c.lookups, hits=c.hits,
                 hit_tokens=c.hit_tokens, evictions=c.evictions, spilled_blocks=len(c.spilled),
                 spilled_bytes=c.spilled_bytes, restores=c.restores, checkpoints_taken=c.checkpoints_taken,
-                checkpoints_skipped=c.checkpoints_skipped,
+                checkpoints_skipped=c.checkpoints_skipped, tails_taken=c.tails_taken, tail_hits=c.tail_hits,
             )
         return EngineStats(
             version=self.version, kernels=self.kernels, steps=self._steps, prefill_tokens=self._prefill_tokens,
@@ -662,6 +666,8 @@ class RolloutEngine:
             if isinstance(pos, bool) or not isinstance(pos, int) or not 1 <= pos <= new:
                 raise ValueError(f"turn_ends positions must be ints in [1, {new}], got {pos!r}")
             req.marks.add((offset + pos) // B)
+            if self.config.checkpoint_prompt_end and (offset + pos) % B:
+                req.tail_marks.add(offset + pos)
         if self.config.checkpoint_prompt_end:
             req.marks.add(len(req.tokens) // B)
         req.marks.discard(0)
@@ -890,6 +896,8 @@ class RolloutEngine:
         self.scheduler.running.remove(req)
         req.status = RequestStatus.FINISHED
         self.scheduler.mark_finished(req)
+        if self.config.checkpoint_generation_end:
+            self.scheduler.save_tail(req)
         return [req.result()]
 
     # -- asynchronous decode (module docstring)

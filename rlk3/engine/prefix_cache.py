@@ -9,6 +9,11 @@ block boundaries (DESIGN.md §4, the seed's "KDA states and MLA KV blocks share 
 * Lookup is two-stage: the longest run of matching keys, then the latest boundary inside it whose entry has a
   checkpoint; prefill resumes there. Because a checkpoint belongs to the entry of the block it ends, and that
   entry's key names the whole prefix, a state can only be restored where exactly that prefix was computed.
+* **Tails**: where a sequence's computed tokens end off a block boundary — the end of a prompt, or of a finished
+  generation (the model's own reply, which an agent loop re-sends in the next turn's conversation) — a tail
+  entry holds the partial block's tokens after its last full block (key: the parent's key and those tokens), the
+  MLA pages covering them (the last one partly filled) and a checkpoint there. A lookup that reaches a tail's
+  parent resumes after the tail when its tokens follow; the request copies the partial page (it writes the rest).
 * Eviction is LRU over entries that would free pages. A chain is touched leaf first, so its root is the most
   recently used and a prefix is evicted from its tail. With ``spill_bytes > 0`` evicted entries are copied to
   CPU memory (its own LRU) and come back on a hit.
@@ -27,9 +32,10 @@ from rlk3.engine.pool import PagedPool
 ROOT = b"rlk3-prefix-root"
 
 
-def block_hash(parent: bytes, tokens: list[int]) -> bytes:
-    """The chained key of one block: blake2b over the parent's key and the token ids (int64, little-endian)."""
-    h = hashlib.blake2b(parent, digest_size=16)
+def block_hash(parent: bytes, tokens: list[int], *, tail: bool = False) -> bytes:
+    """The chained key of one block: blake2b over the parent's key and the token ids (int64, little-endian); a tail's
+    key is salted apart from any full block's."""
+    h = hashlib.blake2b(parent, digest_size=16, person=b"rlk3-tail" if tail else b"")
     h.update(torch.tensor(tokens, dtype=torch.int64).numpy().tobytes())
     return h.digest()
 
@@ -42,6 +48,8 @@ class Entry:
     checkpoint: list[int] | None = None  # KDA slot pages on the device
     spilled_pages: torch.Tensor | None = None  # CPU copies while spilled
     spilled_checkpoint: torch.Tensor | None = None
+    tail: int = 0  # a tail entry: its tokens (fewer than a block) after ``depth`` full blocks; 0 for a full block
+    parent: bytes | None = None  # a tail's parent key (ROOT at depth 0)
 
     @property
     def has_checkpoint(self) -> bool:
@@ -71,8 +79,9 @@ class PrefixCache:
         self.device: OrderedDict[bytes, Entry] = OrderedDict()  # LRU first
         self.spilled: OrderedDict[bytes, Entry] = OrderedDict()
         self.spilled_bytes = 0
+        self.tails: dict[bytes, set[tuple[int, bytes]]] = {}  # parent key -> (tail tokens, tail key), either store
         # counters for stats()
-        self.lookups = self.hits = self.hit_tokens = 0
+        self.lookups = self.hits = self.hit_tokens = self.tail_hits = self.tails_taken = 0
         self.evictions = self.spills = self.restores = self.checkpoints_taken = self.checkpoints_skipped = 0
 
     # -- contents
@@ -84,6 +93,10 @@ class PrefixCache:
     @property
     def num_checkpoints(self) -> int:
         return sum(e.checkpoint is not None for e in self.device.values())
+
+    @property
+    def num_tails(self) -> int:
+        return sum(e.tail > 0 for e in self.device.values())
 
     def pages_held(self) -> list[int]:
         out = []
@@ -126,6 +139,53 @@ class PrefixCache:
         entry.checkpoint = pages
         self.checkpoints_taken += 1
         return True
+
+    def add_tail(self, parent: bytes, depth: int, tokens: list[int], pages: list[int], slot: list[int],
+                 protect: set[bytes] = frozenset()) -> bytes | None:
+        """Caches a tail (module docstring): ``tokens`` after ``depth`` full blocks whose last key is ``parent``, the
+        MLA ``pages`` covering them (shared by reference) and a copy of the KDA ``slot`` after them. Returns its key,
+        or None when it is cached already or no room is found even after eviction."""
+        key = block_hash(parent, tokens, tail=True)
+        if self._get(key) is not None:
+            return None
+        ckpt = self._alloc(len(slot), protect)
+        if ckpt is None:
+            self.checkpoints_skipped += 1
+            return None
+        self.pool.copy(slot, ckpt)
+        self.pool.incref(pages)
+        self.device[key] = Entry(key, depth, pages=list(pages), checkpoint=ckpt, tail=len(tokens), parent=parent)
+        self.tails.setdefault(parent, set()).add((len(tokens), key))
+        self.tails_taken += 1
+        return key
+
+    def match_tail(self, keys: list[bytes], tokens: list[int], start: int, limit: int) -> tuple[int, Entry] | None:
+        """The tail that resumes furthest past ``start`` and at most at ``limit``, along the matched full-block keys
+        ``keys`` of ``tokens``: ``(depth, entry)``, or None. A tail under depth ``d`` needs ``keys[:d]`` cached."""
+        B = self.block_tokens
+        for d in range(len(keys), start // B - 1, -1):
+            options = self.tails.get(keys[d - 1] if d else ROOT)
+            best = None
+            for t, key in sorted(options or (), reverse=True):
+                if not start < d * B + t <= limit:
+                    continue
+                entry = self._get(key)
+                if entry is not None and block_hash(entry.parent, tokens[d * B : d * B + t], tail=True) == key:
+                    best = entry
+                    break
+            if best is not None:
+                self.touch([*keys[:d], best.key])
+                return d, best
+        return None
+
+    def _unindex(self, entry: Entry) -> None:
+        """An entry left both stores: a tail leaves the parent's index."""
+        if entry.tail:
+            options = self.tails.get(entry.parent)
+            if options is not None:
+                options.discard((entry.tail, entry.key))
+                if not options:
+                    del self.tails[entry.parent]
 
     def _alloc(self, n: int, protect: set[bytes]) -> list[int] | None:
         pages = self.pool.alloc(n)
@@ -213,10 +273,13 @@ class PrefixCache:
                     _, old = self.spilled.popitem(last=False)
                     self.spilled_bytes -= old.spilled_bytes
                     old.spilled_pages = old.spilled_checkpoint = None
+                    self._unindex(old)
                 entry.spilled_pages, entry.spilled_checkpoint = pages, ckpt
                 self.spilled[entry.key] = entry
                 self.spilled_bytes += size
                 self.spills += 1
+        if entry.key not in self.spilled:
+            self._unindex(entry)
         entry.pages = entry.checkpoint = None
         self.pool.decref(owned)
 
@@ -226,4 +289,5 @@ class PrefixCache:
             self.pool.decref((entry.pages or []) + (entry.checkpoint or []))
         self.device.clear()
         self.spilled.clear()
+        self.tails.clear()
         self.spilled_bytes = 0

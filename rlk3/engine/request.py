@@ -48,6 +48,7 @@ class Request:
     arrival: int  # FIFO order of add_request / extend
     turn_start: int  # tokens[turn_start:] are this turn's generated tokens
     marks: set[int] = field(default_factory=set)  # block boundaries that want a KDA checkpoint (turn ends)
+    tail_marks: set[int] = field(default_factory=set)  # positions off a boundary that want a tail checkpoint
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     turn: int = 0

@@ -9,7 +9,8 @@ Every step the scheduler hands out at most ``max_tokens_per_step`` tokens to at 
 
 So a 100K-token prompt takes at most its fair share while short requests are waiting, and uses the whole budget
 when they are not (budget-based admission: the short ones' first tokens arrive within a bounded number of steps).
-A prefill chunk also ends at the next block boundary that wants a KDA checkpoint, where the state is copied.
+A prefill chunk also ends at the next block boundary that wants a KDA checkpoint, where the state is copied, and at a
+turn end the agent loop marked (a tail checkpoint there; prefix_cache.py).
 
 Shared prefill (``share_prefill``): a waiting request whose tokens equal those of a request being prefilled (a GRPO
 group's samples of one prompt) is not admitted; it follows that leader, whose prefill stops once at its prompt's last
@@ -154,29 +155,51 @@ class Scheduler:
 
     def admit(self, req: Request, planned: dict) -> bool:
         """Gives a waiting request a KDA slot (restored from a prefix checkpoint when one matches)."""
-        entries, protect = [], set()
+        entries, protect, tail = [], set(), None
         if self.prefix is not None:
             # leave at least one token to compute: its logits give the next token
-            keys = self.keys(req, (len(req.tokens) - 1) // self.block_tokens)
+            B = self.block_tokens
+            keys = self.keys(req, (len(req.tokens) - 1) // B)
             match = self.prefix.match(keys)
             protect = set(keys[: match.matched])
-            if match.blocks and self.prefix.restore(match.entries, protect):
+            found = self.prefix.match_tail(keys[: match.matched], req.tokens, match.blocks * B, len(req.tokens) - 1)
+            if found is not None:  # a tail past the last full-block checkpoint: its chain, then the tail
+                depth, tail = found
+                chain = [self.prefix._get(k) for k in keys[:depth]]
+                protect.add(tail.key)
+                if self.prefix.restore([*chain, tail], protect):
+                    entries = chain
+                    self.prefix.tail_hits += 1
+                else:
+                    tail = None
+            if tail is None and match.blocks and self.prefix.restore(match.entries, protect):
                 entries = match.entries
+            if entries or tail is not None:
                 self.prefix.hits += 1
         shared = [p for e in entries for p in e.pages]
-        self.pool.incref(shared)  # ours now, whatever the cache evicts below
         need = self.pool.layout.pages_per_slot
+        partial = False
+        if tail is not None and tail.pages:  # the tail's full pages are shared; its partly filled last page is copied
+            partial = tail.tail % self.block_size != 0
+            shared += tail.pages[:-1] if partial else tail.pages
+            need += partial
+        self.pool.incref(shared)  # ours now, whatever the cache evicts below
         ok = self._reclaim(need, None, planned, allow_preempt=False, allow_paused=not self.running, protect=protect)
-        slot = self.pool.alloc(need) if ok else None
-        if slot is None:
+        new = self.pool.alloc(need) if ok else None
+        if new is None:
             self.pool.decref(shared)
             return False
-        if entries:
+        slot, own = new[: self.pool.layout.pages_per_slot], new[self.pool.layout.pages_per_slot :]
+        if own:
+            self.pool.copy(tail.pages[-1:], own)
+        if tail is not None:
+            self.pool.copy(tail.checkpoint, slot)
+        elif entries:
             self.pool.copy(entries[-1].checkpoint, slot)
         else:
             self.pool.zero(slot)
-        req.slot, req.pages = slot, shared
-        req.num_computed = len(entries) * self.block_tokens
+        req.slot, req.pages = slot, shared + own
+        req.num_computed = len(entries) * self.block_tokens + (tail.tail if tail is not None else 0)
         req.num_registered = len(entries)
         req.num_cached_tokens = req.num_computed
         if self.prefix is not None:
@@ -203,7 +226,7 @@ class Scheduler:
         pos, B = req.num_computed, self.block_tokens
         interval = self.config.checkpoint_interval
         nxt = (pos // interval + 1) * interval
-        marked = [m * B for m in req.marks if m * B > pos]
+        marked = [m * B for m in req.marks if m * B > pos] + [t for t in req.tail_marks if t > pos]
         return min([cut + pos, nxt, *marked]) - pos
 
     def register(self, req: Request) -> None:
@@ -222,6 +245,28 @@ class Scheduler:
         if full and req.num_computed % B == 0 and self.wants_checkpoint(req, full):
             keys = self.keys(req, full)
             self.prefix.add_checkpoint(keys[-1], req.slot, protect=set(keys))
+        if self.config.checkpoint_prompt_end and (req.num_computed == req.turn_start
+                                                  or req.num_computed in req.tail_marks):
+            self.save_tail(req)
+
+    def save_tail(self, req: Request) -> None:
+        """A tail checkpoint (prefix_cache.py) where the request's computed tokens end, when that is off a block
+        boundary: the end of a prompt or extension (``register``), of a finished generation (the engine)."""
+        if self.prefix is None or req.cache_version != self.version or req.slot is None:
+            return
+        B, n = self.block_tokens, req.num_computed
+        depth, t = divmod(n, B)
+        if t == 0 or n > len(req.tokens) or depth > req.num_registered:
+            return
+        keys = self.keys(req, depth)
+        pages = []
+        if self.pool.layout.mla_layers:
+            first = depth * self.prefix.pages_per_block
+            pages = req.pages[first : first + math.ceil(t / self.block_size)]
+        key = self.prefix.add_tail(keys[-1] if depth else ROOT, depth, req.tokens[depth * B : n], pages, req.slot,
+                                   protect=set(keys))
+        if key is not None:
+            self.prefix.touch([*keys, key])
 
     # -- shared prefill
 

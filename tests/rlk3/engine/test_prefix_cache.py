@@ -40,20 +40,56 @@ def test_shared_prefix_prefills_only_new_tokens_plus_one_interval(tiny):
 
 
 def test_a_hit_never_restores_a_state_from_the_wrong_boundary(tiny):
-    """Checkpoints at 512, 1024 and 1536 (interval 512). Prompts that diverge one token after / one token before the
-    checkpoint at 1024 must resume at 1024 / 512, never at a deeper checkpoint whose prefix they do not share."""
+    """Checkpoints at 512, 1024 and 1536 (interval 512), and tails at the prompt's end (1700) and where the generation
+    ended (1703: the last sampled token is never computed). Prompts that diverge one token after / one token before
+    a checkpoint must resume there / at the one before, never at a deeper checkpoint whose prefix they do not share;
+    the same for the tails."""
     cfg = EngineConfig(memory_bytes=48 * 2**20, checkpoint_interval=512, max_tokens_per_step=1024)
     engine = RolloutEngine(tiny, cfg)
     base = prompt(1700, seed=30)
-    _run(engine, base)
-    assert engine.stats().prefix_cache.checkpoints == 3
-    other = prompt(1700, seed=31)
-    for diverge, resume in [(1025, 1024), (1023, 512), (1024, 1024), (1536, 1536), (1537, 1536), (511, 0)]:
-        p = base[:diverge] + other[diverge : diverge + 300]
+    first, _ = _run(engine, base)
+    stats = engine.stats().prefix_cache
+    assert (stats.checkpoints_taken, stats.tails_taken, stats.checkpoints) == (3, 2, 5)
+    other = prompt(1800, seed=31)
+    said = base + first.token_ids  # the conversation as an agent loop re-sends it, the reply included
+    cases = [(1025, 1024), (1023, 512), (1024, 1024), (1536, 1536), (1537, 1536), (511, 0),
+             (1699, 1536), (1700, 1700), (1702, 1700), (1703, 1703), (1704, 1703)]
+    for diverge, resume in cases:
+        p = said[:diverge] + other[diverge : diverge + 300]
         res, filled = _run(engine, p)
         assert res.num_cached_tokens == resume, (diverge, res.num_cached_tokens)
         assert filled == len(p) - resume
         _check(tiny, p, res)  # a state from another boundary would change these logprobs
+    assert engine.stats().prefix_cache.tail_hits == 4
+    engine.check_invariants()
+
+
+def test_a_tail_hit_shares_the_full_pages_and_copies_the_partial_one(tiny):
+    """The tail's partly filled MLA page is copied for the request that resumes there (it writes the rest of that
+    page) while the request that made the tail goes on writing its own: both continue exactly, each equal to a full
+    forward, and once both are released the cache's tail holds the only extra references."""
+    cfg = EngineConfig(memory_bytes=48 * 2**20, checkpoint_interval=512, max_tokens_per_step=1024)
+    engine = RolloutEngine(tiny, cfg)
+    assert 701 % engine.layout.block_size  # the tail (189 tokens) ends inside a page
+    base = prompt(701, seed=60)
+    sampling = SamplingParams(max_tokens=24, temperature=0)
+    results = {}
+    owner = engine.add_request(base, sampling)
+    while engine.stats().prefix_cache.tails == 0:
+        results |= {r.request_id: r for r in engine.step()}
+    for _ in range(3):  # the owner writes on into the tail's last page
+        results |= {r.request_id: r for r in engine.step()}
+    branch = base + prompt(40, seed=61)
+    resumed = engine.add_request(branch, sampling)
+    while engine.has_unfinished():
+        results |= {r.request_id: r for r in engine.step()}
+    assert results[resumed].num_cached_tokens == 701 and engine.stats().prefix_cache.tail_hits == 1
+    _check(tiny, base, results[owner])
+    _check(tiny, branch, results[resumed])
+    engine.release([owner, resumed])
+    engine.check_invariants()
+    pool = engine.stats().pool
+    assert pool.request_pages == 0 and pool.free_pages + pool.prefix_cache_pages == pool.total_pages
 
 
 def test_lru_eviction_spill_to_cpu_and_restore(tiny):
@@ -71,7 +107,8 @@ def test_lru_eviction_spill_to_cpu_and_restore(tiny):
         stats = engine.stats().prefix_cache
         assert stats.evictions > 0
         if spill:
-            assert stats.restores > 0 and res.num_cached_tokens == 1024 and filled == len(p1) + 3 - 1024
+            # p1's blocks and its prompt-end tail come back: only the three new tokens are computed
+            assert stats.restores > 0 and res.num_cached_tokens == 1100 and filled == 3
         else:
             assert stats.spilled_blocks == 0 and res.num_cached_tokens < 1024
         _check(tiny, [*p1, 7, 8, 9], res)
@@ -81,24 +118,31 @@ def test_lru_eviction_spill_to_cpu_and_restore(tiny):
 
 
 def test_turn_ends_and_prompt_ends_keep_checkpoints_for_the_next_turn(tiny):
-    """Multi-turn by fresh requests (the agent loop re-sends the conversation): turn k+1 resumes at the last
-    block boundary of turn k's prompt, not at the last interval checkpoint."""
+    """Multi-turn by fresh requests (the agent loop re-sends the conversation): turn k+1 resumes where turn k's
+    generation ended (a tail checkpoint), not at the last interval checkpoint; with generation-end tails off, at
+    turn k's prompt end; with prompt-end checkpoints off too, at its last block boundary."""
+    conv0 = prompt(700, seed=50)
+    for gen_end, prompt_end, resume in [(True, True, 703), (False, True, 700), (False, False, 0)]:
+        cfg = EngineConfig(memory_bytes=48 * 2**20, checkpoint_interval=4096, max_tokens_per_step=2048,
+                           checkpoint_generation_end=gen_end, checkpoint_prompt_end=prompt_end)
+        engine = RolloutEngine(tiny, cfg)
+        res, _ = _run(engine, conv0)
+        conv = conv0 + res.token_ids + prompt(900, seed=51)
+        res, filled = _run(engine, conv)
+        assert res.num_cached_tokens == resume and filled == len(conv) - resume, (gen_end, prompt_end)
+        _check(tiny, conv, res)
     cfg = EngineConfig(memory_bytes=48 * 2**20, checkpoint_interval=4096, max_tokens_per_step=2048)
     engine = RolloutEngine(tiny, cfg)
-    conv = prompt(700, seed=50)
-    res, _ = _run(engine, conv)
-    conv = conv + res.token_ids + prompt(900, seed=51)
-    res, filled = _run(engine, conv)
-    assert res.num_cached_tokens == 512  # the first prompt's end (700) rounds down to boundary 512
-    _check(tiny, conv, res)
     # an explicit mark: the agent loop re-sends a conversation whose earlier turn ended at token 1100; without the
-    # mark only the prompt's end (1536) would keep a checkpoint, and a conversation branching at 1100 would start over
+    # mark only the prompt's end would keep a checkpoint, and a conversation branching at 1100 would start over. The
+    # mark keeps one at boundary 1024 and a tail at 1100 itself
     other = prompt(1900, seed=52)
     rid = engine.add_request(other, GREEDY, turn_ends=[1100])
     while engine.has_unfinished():
         engine.step()
     engine.release(rid)
-    branch = other[:1100] + prompt(200, seed=53)
-    res, filled = _run(engine, branch)
-    assert res.num_cached_tokens == 1024 and filled == len(branch) - 1024
-    _check(tiny, branch, res)
+    for at, resume in [(1100, 1100), (1099, 1024)]:
+        branch = other[:at] + prompt(200, seed=53)
+        res, filled = _run(engine, branch)
+        assert res.num_cached_tokens == resume and filled == len(branch) - resume, at
+        _check(tiny, branch, res)
