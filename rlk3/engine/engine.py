@@ -897,7 +897,7 @@ class RolloutEngine:
         req.status = RequestStatus.FINISHED
         self.scheduler.mark_finished(req)
         if self.config.checkpoint_generation_end:
-            self.scheduler.save_tail(req)
+            self.scheduler.save_tail(req, evict=False)
         return [req.result()]
 
     # -- asynchronous decode (module docstring)

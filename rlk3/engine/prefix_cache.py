@@ -141,14 +141,14 @@ class PrefixCache:
         return True
 
     def add_tail(self, parent: bytes, depth: int, tokens: list[int], pages: list[int], slot: list[int],
-                 protect: set[bytes] = frozenset()) -> bytes | None:
+                 protect: set[bytes] = frozenset(), evict: bool = True) -> bytes | None:
         """Caches a tail (module docstring): ``tokens`` after ``depth`` full blocks whose last key is ``parent``, the
         MLA ``pages`` covering them (shared by reference) and a copy of the KDA ``slot`` after them. Returns its key,
-        or None when it is cached already or no room is found even after eviction."""
+        or None when it is cached already or no room is found (after evicting LRU entries, if ``evict``)."""
         key = block_hash(parent, tokens, tail=True)
         if self._get(key) is not None:
             return None
-        ckpt = self._alloc(len(slot), protect)
+        ckpt = self._alloc(len(slot), protect) if evict else self.pool.alloc(len(slot))
         if ckpt is None:
             self.checkpoints_skipped += 1
             return None

@@ -249,9 +249,10 @@ class Scheduler:
                                                   or req.num_computed in req.tail_marks):
             self.save_tail(req)
 
-    def save_tail(self, req: Request) -> None:
+    def save_tail(self, req: Request, evict: bool = True) -> None:
         """A tail checkpoint (prefix_cache.py) where the request's computed tokens end, when that is off a block
-        boundary: the end of a prompt or extension (``register``), of a finished generation (the engine)."""
+        boundary: the end of a prompt or extension (``register``), of a finished generation (the engine, with
+        ``evict=False``: most generations are never re-sent, so theirs only take pages that are free)."""
         if self.prefix is None or req.cache_version != self.version or req.slot is None:
             return
         B, n = self.block_tokens, req.num_computed
@@ -264,7 +265,7 @@ class Scheduler:
             first = depth * self.prefix.pages_per_block
             pages = req.pages[first : first + math.ceil(t / self.block_size)]
         key = self.prefix.add_tail(keys[-1] if depth else ROOT, depth, req.tokens[depth * B : n], pages, req.slot,
-                                   protect=set(keys))
+                                   protect=set(keys), evict=evict)
         if key is not None:
             self.prefix.touch([*keys, key])
 

@@ -146,3 +146,37 @@ def test_turn_ends_and_prompt_ends_keep_checkpoints_for_the_next_turn(tiny):
         res, filled = _run(engine, branch)
         assert res.num_cached_tokens == resume and filled == len(branch) - resume, at
         _check(tiny, branch, res)
+
+
+def test_a_generation_end_tail_never_evicts_while_a_prompt_end_tail_may():
+    """Most generations are never re-sent: their tails take only free pages. A prompt's (or a marked turn end's) tail
+    evicts LRU entries like a block checkpoint does. Both refuse a tail already cached."""
+    import torch
+
+    from rlk3.engine.pool import PagedPool, PoolLayout
+    from rlk3.engine.prefix_cache import ROOT, PrefixCache, block_hash
+    from rlk3.model import K3Config
+
+    lay = PoolLayout.for_model(K3Config(), torch.float32)
+    pps = lay.pages_per_slot
+    pool = PagedPool(lay, budget=(3 * pps + 1) * lay.page_bytes, device="cpu")
+    cache = PrefixCache(pool, block_tokens=512)
+    owner = pool.alloc(pps + 1)  # a request's slot and one MLA page
+    old = [block_hash(ROOT, [1] * 512)]
+    cache.insert_block(old[0], 0, [owner[-1]])
+    assert cache.add_checkpoint(old[0], owner[:pps])  # the pool is now one slot short of full
+    assert pool.num_free == pps
+    assert cache.add_tail(ROOT, 0, [5, 6, 7], [owner[-1]], owner[:pps], evict=False) is not None  # free pages
+    assert pool.num_free == 0
+    assert cache.add_tail(ROOT, 0, [5, 6, 8], [owner[-1]], owner[:pps], evict=False) is None
+    assert cache.evictions == 0 and cache.num_tails == 1
+    first = block_hash(ROOT, [5, 6, 7], tail=True)
+    nine = cache.add_tail(ROOT, 0, [5, 6, 9], [owner[-1]], owner[:pps], evict=True)
+    assert nine is not None and cache.evictions == 1 and old[0] not in cache.device  # the LRU entry made room
+    ten = cache.add_tail(ROOT, 0, [5, 6, 10], [owner[-1]], owner[:pps])
+    assert ten is not None and cache.evictions == 2 and first not in cache.device  # now the oldest tail
+    assert cache.add_tail(ROOT, 0, [5, 6, 9], [owner[-1]], owner[:pps]) is None  # cached already
+    assert cache.tails == {ROOT: {(3, nine), (3, ten)}}  # the evicted tail left the index with its entry
+    cache.clear()
+    pool.decref(owner)
+    assert pool.num_free == pool.num_pages and not cache.tails
