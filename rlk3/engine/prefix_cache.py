@@ -159,23 +159,19 @@ class PrefixCache:
         self.tails_taken += 1
         return key
 
-    def match_tail(self, keys: list[bytes], tokens: list[int], start: int, limit: int) -> tuple[int, Entry] | None:
+    def match_tail(self, keys: list[bytes], tokens: list[int], start: int, limit: int) -> list[Entry] | None:
         """The tail that resumes furthest past ``start`` and at most at ``limit``, along the matched full-block keys
-        ``keys`` of ``tokens``: ``(depth, entry)``, or None. A tail under depth ``d`` needs ``keys[:d]`` cached."""
+        ``keys`` of ``tokens``: the entries of its ``d`` full blocks and then the tail itself, or None."""
+        if not self.tails:
+            return None
         B = self.block_tokens
         for d in range(len(keys), start // B - 1, -1):
-            options = self.tails.get(keys[d - 1] if d else ROOT)
-            best = None
-            for t, key in sorted(options or (), reverse=True):
-                if not start < d * B + t <= limit:
-                    continue
+            for t, key in sorted(self.tails.get(keys[d - 1] if d else ROOT, ()), reverse=True):
                 entry = self._get(key)
-                if entry is not None and block_hash(entry.parent, tokens[d * B : d * B + t], tail=True) == key:
-                    best = entry
-                    break
-            if best is not None:
-                self.touch([*keys[:d], best.key])
-                return d, best
+                if (start < d * B + t <= limit and entry is not None
+                        and block_hash(entry.parent, tokens[d * B : d * B + t], tail=True) == key):
+                    self.touch([*keys[:d], key])
+                    return [*(self._get(k) for k in keys[:d]), entry]
         return None
 
     def _unindex(self, entry: Entry) -> None:

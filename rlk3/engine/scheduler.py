@@ -164,14 +164,10 @@ class Scheduler:
             protect = set(keys[: match.matched])
             found = self.prefix.match_tail(keys[: match.matched], req.tokens, match.blocks * B, len(req.tokens) - 1)
             if found is not None:  # a tail past the last full-block checkpoint: its chain, then the tail
-                depth, tail = found
-                chain = [self.prefix._get(k) for k in keys[:depth]]
-                protect.add(tail.key)
-                if self.prefix.restore([*chain, tail], protect):
-                    entries = chain
+                protect.add(found[-1].key)
+                if self.prefix.restore(found, protect):
+                    *entries, tail = found
                     self.prefix.tail_hits += 1
-                else:
-                    tail = None
             if tail is None and match.blocks and self.prefix.restore(match.entries, protect):
                 entries = match.entries
             if entries or tail is not None:

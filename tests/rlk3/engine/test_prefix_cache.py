@@ -120,7 +120,7 @@ def test_lru_eviction_spill_to_cpu_and_restore(tiny):
 def test_turn_ends_and_prompt_ends_keep_checkpoints_for_the_next_turn(tiny):
     """Multi-turn by fresh requests (the agent loop re-sends the conversation): turn k+1 resumes where turn k's
     generation ended (a tail checkpoint), not at the last interval checkpoint; with generation-end tails off, at
-    turn k's prompt end; with prompt-end checkpoints off too, at its last block boundary."""
+    turn k's prompt end; with prompt-end checkpoints off too, from the start (the only checkpoints are every 4096)."""
     conv0 = prompt(700, seed=50)
     for gen_end, prompt_end, resume in [(True, True, 703), (False, True, 700), (False, False, 0)]:
         cfg = EngineConfig(memory_bytes=48 * 2**20, checkpoint_interval=4096, max_tokens_per_step=2048,
