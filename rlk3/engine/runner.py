@@ -149,6 +149,35 @@ def feed_forward_dense(layer, h: torch.Tensor) -> torch.Tensor:
     return layer.mlp(h)
 
 
+def kda_input(attn, qkv: torch.Tensor, f_a: torch.Tensor, cache: torch.Tensor, w_conv: torch.Tensor,
+              src: torch.Tensor | None, new: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KDA's inputs after the fused projection: the causal short conv of q, k, v side by side (taps in the model's
+    order) with SiLU, and the forget gate's second projection. ``qkv [T, C]`` the new rows, ``cache [N, kernel − 1,
+    C]`` each sequence's previous rows. ``src`` None: one token per sequence (decode), whose window is its cache and
+    the token; otherwise each tap gathers from [caches; new rows] by ``src`` and the new caches by ``new``
+    (``ForwardBatch.conv_src`` / ``conv_new``). Returns (silu(conv) ``[T, C]``, ``g [T, H·K]``, new caches). One
+    function so that ``compile`` fuses the taps' gathers, products and sums (12 passes over ``[T, C]`` eagerly)."""
+    cache = cache.to(qkv.dtype)
+    if src is None:
+        buf = torch.cat([cache, qkv[:, None]], dim=1)
+        taps, new_cache = [buf[:, j] for j in range(w_conv.shape[1])], buf[:, 1:]
+    else:
+        buf = torch.cat([cache.reshape(-1, cache.shape[-1]), qkv])
+        taps, new_cache = [buf[src[:, j]] for j in range(w_conv.shape[1])], buf[new]
+    y = torch.zeros_like(qkv)
+    for j, tap in enumerate(taps):
+        y = y + tap * w_conv[:, j].to(qkv.dtype)
+    return F.silu(y), attn.f_b_proj(f_a), new_cache
+
+
+def mla_input(attn, q: torch.Tensor, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA's query (through its low-rank half's norm and up-projection, when it has one) and the normed KV latent,
+    from the fused projection's slices: one compiled block instead of two eager norms."""
+    if not hasattr(attn, "q_proj"):
+        q = attn.q_b_proj(attn.q_a_layernorm(q))
+    return q, attn.kv_a_layernorm(latent)
+
+
 def kda_output(attn, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """KDA's gated output norm and projection: ``o [T, H, K]``, the gate input ``[T, ·]``."""
     T, H, K = o.shape
@@ -167,7 +196,9 @@ def mla_output(attn, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor
 
 class ModelRunner:
     """``compile``: the per-token blocks between the attention kernels (the Attention Residuals mix and pre-norms,
-    the feed-forward, the attention outputs) run through ``torch.compile`` with dynamic shapes (the layers share
+    the feed-forward, the attention inputs after their fused projection — KDA's short conv and forget-gate
+    projection, MLA's query and latent norms — and the attention outputs) run through ``torch.compile`` with dynamic
+    shapes (the layers share
     compiled code; new step sizes may still compile once). Each block becomes a few fused kernels instead of tens of
     small ones: on an H200 a captured k3-small decode step took half the GPU time (docs/BENCHMARKS.md). Off (the
     engine's default on CPU, where compiling gains nothing measurable), everything runs eagerly with the model's own
@@ -185,10 +216,11 @@ class ModelRunner:
         self._splits: dict[int, list[int]] = {}
         self.sync_ok = True  # False while a CUDA graph is being captured: no host synchronisation then
         self.compiled = compile
-        fns = (mix_norm, norm_only, feed_forward_dense, kda_output, mla_output)
+        fns = (mix_norm, norm_only, feed_forward_dense, kda_input, kda_output, mla_input, mla_output)
         if compile:
             fns = tuple(torch.compile(f, dynamic=True) for f in fns)
-        self._mix_norm, self._norm, self._ffn_dense, self._kda_output, self._mla_output = fns
+        (self._mix_norm, self._norm, self._ffn_dense, self._kda_input, self._kda_output, self._mla_input,
+         self._mla_output) = fns
         self.refresh_weights()
 
     @torch.no_grad()
@@ -266,22 +298,11 @@ class ModelRunner:
 
         # q, k, v (conv'd together), the forget-gate input, beta, the output gate: one matmul
         qkv, f_a, beta, gate = F.linear(h, w_in).split(self._splits[idx], dim=-1)
-        # the causal short conv of every sequence, taps in the model's order
-        cache = convs[pages].to(qkv.dtype)  # [N, kernel − 1, 3·H·K]
-        if nd == T:  # one token each (decode): the window is the cache and the token
-            buf = torch.cat([cache, qkv[:, None]], dim=1)
-            y = torch.zeros_like(qkv)
-            for j in range(w_conv.shape[1]):
-                y = y + buf[:, j] * w_conv[:, j].to(qkv.dtype)
-            convs[pages] = buf[:, 1:].to(convs.dtype)
-        else:  # any mix: gather each tap from [caches; new rows] (see ForwardBatch)
-            buf = torch.cat([cache.reshape(-1, cache.shape[-1]), qkv])
-            y = torch.zeros_like(qkv)
-            for j in range(w_conv.shape[1]):
-                y = y + buf[b.conv_src[:, j]] * w_conv[:, j].to(qkv.dtype)
-            convs[pages] = buf[b.conv_new].to(convs.dtype)
-        q, k, v = (t.view(T, H, K) for t in F.silu(y).chunk(3, dim=-1))
-        g = attn.f_b_proj(f_a).view(T, H, K)
+        src, new = (None, None) if nd == T else (b.conv_src, b.conv_new)
+        qkv, g, cache = self._kda_input(attn, qkv, f_a, convs[pages], w_conv, src, new)
+        convs[pages] = cache.to(convs.dtype)
+        q, k, v = (t.view(T, H, K) for t in qkv.chunk(3, dim=-1))
+        g = g.view(T, H, K)
         kwargs = dict(
             A_log=attn.A_log, dt_bias=attn.dt_bias, lower_bound=attn.lower_bound, use_gate_in_kernel=True,
             use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, state_v_first=True, backend=self.backend,
@@ -315,11 +336,9 @@ class ModelRunner:
         H = attn.num_heads
         # the query (or its low-rank half), the KV latent + rope slice, the output gate: one matmul
         q, kv, *gate = F.linear(h, self._fused[idx][0]).split(self._splits[idx], dim=-1)
-        if not hasattr(attn, "q_proj"):
-            q = attn.q_b_proj(attn.q_a_layernorm(q))
-        q_nope, q_rope = q.view(T, H, -1).split([attn.nope_dim, attn.rope_dim], dim=-1)
         latent, k_rope = kv.split([attn.kv_lora_rank, attn.rope_dim], dim=-1)
-        latent = attn.kv_a_layernorm(latent)
+        q, latent = self._mla_input(attn, q, latent)
+        q_nope, q_rope = q.view(T, H, -1).split([attn.nope_dim, attn.rope_dim], dim=-1)
         m = self.mla_ordinal[idx]
         latent_pages, rope_pages = pool.latent(m), pool.rope(m)
         # the new tokens' entries first: a decode token attends to itself through its page

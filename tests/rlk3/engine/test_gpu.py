@@ -17,6 +17,7 @@ from rlk3.engine import EngineConfig, RolloutEngine, SamplingParams
 from rlk3.engine.sampling import counter_uniform
 from rlk3.model import K3Config, K3ForCausalLM
 from tests.rlk3.engine._gpu_paths import PATH_PROMPTS, make_model, make_prompts, run, teacher_forced
+from tests.rlk3.engine._oracle import mixed_workload
 from tests.rlk3.engine.test_async_decode import compare_with_synchronous
 from tests.rlk3.model._routing import pinned_routing
 
@@ -198,12 +199,11 @@ def test_shared_prefill_on_cuda_generates_what_unshared_prefill_generates(backen
 def test_prefill_graphs_replay_what_the_padded_steps_compute_eagerly(preset, dtype, monkeypatch):
     """The piecewise prefill graphs against the same padded steps run eagerly (the same kernels
     and shapes, nothing captured): bit for bit, over steps of several buckets, prefix hits, a pause and an extension
-    (test_prefill_graphs.py's workload), with at most two shapes kept so that graphs are evicted and captured again.
+    (``_oracle.mixed_workload``), with at most two shapes kept so that graphs are evicted and captured again.
     In fp32, also against unpadded eager prefill: the same tokens, log-probs within 1e-3 — FLA's graph-mode kernels
     and inductor's code for other shapes round differently, and FLA multiplies fp32 in TF32 (1.3e-4 measured on the
     H200; the chunked and recurrent paths part by up to 3.4e-3, the first test)."""
     from rlk3.engine import cuda_graphs
-    from tests.rlk3.engine.test_prefill_graphs import workload
 
     monkeypatch.setattr(cuda_graphs, "PREFILL_MAX_SHAPES", 2)
     model = make_model(preset, dtype)
@@ -212,13 +212,13 @@ def test_prefill_graphs_replay_what_the_padded_steps_compute_eagerly(preset, dty
     graphed = RolloutEngine(model, EngineConfig(**cfg, prefill_graphs=True))
     eager = RolloutEngine(model, EngineConfig(**cfg, prefill_graphs=True))
     eager._prefill_graphs = cuda_graphs.PrefillGraphs(eager.runner, eager.pool, capture=False)
-    got, want = workload(graphed), workload(eager)
+    got, want = mixed_workload(graphed), mixed_workload(eager)
     assert graphed.stats().padded_prefill_steps == eager.stats().padded_prefill_steps >= 4
     assert len(graphed._prefill_graphs.pieces) == 2 and not eager._prefill_graphs.pieces
     assert [(r.token_ids, r.logprobs) for r in got] == [(r.token_ids, r.logprobs) for r in want]
     graphed.check_invariants()
     if dtype == torch.float32:
-        plain = workload(RolloutEngine(model, EngineConfig(**cfg, prefill_graphs=False)))
+        plain = mixed_workload(RolloutEngine(model, EngineConfig(**cfg, prefill_graphs=False)))
         for a, b in zip(got, plain, strict=True):
             assert a.token_ids == b.token_ids
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= 1e-3
