@@ -198,11 +198,10 @@ class ModelRunner:
     """``compile``: the per-token blocks between the attention kernels (the Attention Residuals mix and pre-norms,
     the feed-forward, the attention inputs after their fused projection — KDA's short conv and forget-gate
     projection, MLA's query and latent norms — and the attention outputs) run through ``torch.compile`` with dynamic
-    shapes (the layers share
-    compiled code; new step sizes may still compile once). Each block becomes a few fused kernels instead of tens of
-    small ones: on an H200 a captured k3-small decode step took half the GPU time (docs/BENCHMARKS.md). Off (the
-    engine's default on CPU, where compiling gains nothing measurable), everything runs eagerly with the model's own
-    modules."""
+    shapes (the layers share compiled code; new step sizes may still compile once). Each block becomes a few fused
+    kernels instead of tens of small ones: on an H200 a captured k3-small decode step took half the GPU time
+    (docs/BENCHMARKS.md). Off (the engine's default on CPU, where compiling gains nothing measurable), everything
+    runs eagerly with the model's own modules."""
 
     def __init__(self, model, layout: PoolLayout, backend: str = "auto", compile: bool = False):
         self.model = model
@@ -299,9 +298,9 @@ class ModelRunner:
         # q, k, v (conv'd together), the forget-gate input, beta, the output gate: one matmul
         qkv, f_a, beta, gate = F.linear(h, w_in).split(self._splits[idx], dim=-1)
         src, new = (None, None) if nd == T else (b.conv_src, b.conv_new)
-        qkv, g, cache = self._kda_input(attn, qkv, f_a, convs[pages], w_conv, src, new)
+        conv, g, cache = self._kda_input(attn, qkv, f_a, convs[pages], w_conv, src, new)
         convs[pages] = cache.to(convs.dtype)
-        q, k, v = (t.view(T, H, K) for t in qkv.chunk(3, dim=-1))
+        q, k, v = (t.view(T, H, K) for t in conv.chunk(3, dim=-1))
         g = g.view(T, H, K)
         kwargs = dict(
             A_log=attn.A_log, dt_bias=attn.dt_bias, lower_bound=attn.lower_bound, use_gate_in_kernel=True,
