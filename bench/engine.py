@@ -244,7 +244,8 @@ def multi_turn(model, device, turns: int, turn_tokens: int, gen_tokens: int, cfg
                                  prefill_seconds=after.prefill_seconds - before.prefill_seconds - capture,
                                  capture_seconds=capture, turn_cpu_seconds=time.process_time() - cpu))
             conv = conv + res.token_ids
-        out[name] = dict(prefill_tokens=sum(t["prefill_tokens"] for t in per_turn),
+        out[name] = dict(split_checkpoints=engine.stats().split_checkpoints,
+                         prefill_tokens=sum(t["prefill_tokens"] for t in per_turn),
                          prefill_seconds=sum(t["prefill_seconds"] for t in per_turn),
                          capture_seconds=sum(t["capture_seconds"] for t in per_turn),
                          cpu_seconds=sum(t["turn_cpu_seconds"] for t in per_turn), turns=per_turn)
@@ -298,6 +299,8 @@ def main() -> None:
                     help="EngineConfig.compile: auto = on CUDA only")
     ap.add_argument("--prefill-graphs", choices=["auto", "on", "off"], default="auto",
                     help="EngineConfig.prefill_graphs: auto = on where decode steps replay CUDA graphs")
+    ap.add_argument("--checkpoint-in-step", choices=["on", "off"], default="on",
+                    help="EngineConfig.checkpoint_in_step (on: also a multi-turn run with it off, for its effect)")
     ap.add_argument("--step-tokens", type=int, default=None,
                     help="EngineConfig.max_tokens_per_step (default: the engine's on CUDA (8192), 512 on CPU)")
     ap.add_argument("--out", type=Path, default=None)
@@ -312,7 +315,8 @@ def main() -> None:
                        max_tokens_per_step=args.step_tokens or (None if cuda else 512),
                        prefill_chunk=512 if cuda else 256,
                        compile={"auto": None, "on": True, "off": False}[args.compile],
-                       prefill_graphs={"auto": None, "on": True, "off": False}[args.prefill_graphs])
+                       prefill_graphs={"auto": None, "on": True, "off": False}[args.prefill_graphs],
+                       checkpoint_in_step=args.checkpoint_in_step == "on")
     result = dict(device=str(device), gpu=torch.cuda.get_device_name(device) if cuda else None, preset=preset,
                   dtype=str(dtype), threads=args.threads, torch=torch.__version__,
                   load_average=os.getloadavg(), config={k: v for k, v in cfg.__dict__.items()})
@@ -354,6 +358,10 @@ def main() -> None:
             result["multi_turn_prefill_graphs_off_cold"] = multi_turn(model, device, args.turns, args.turn_tokens, 16,
                                                                       off)
             result["multi_turn_prefill_graphs_off"] = multi_turn(model, device, args.turns, args.turn_tokens, 16, off)
+        if cfg.checkpoint_in_step:  # the same run ending each chunk at its checkpoint boundary, for the effect
+            off = dataclasses.replace(cfg, checkpoint_in_step=False)
+            result["multi_turn_in_step_off"] = best_multi_turn(args.reps, model, device, args.turns, args.turn_tokens,
+                                                               16, off)
         print(f"\nmulti-turn: {args.turns} turns of +{args.turn_tokens} tokens (16 generated per turn), "
               "whole conversation re-sent each turn")
         print("| | prefill tokens | prefill seconds (wall) | graph capture seconds (not counted) "
@@ -366,6 +374,12 @@ def main() -> None:
         print(f"prefix cache: {mt['token_ratio']:.2f}x fewer prefill tokens, {mt['time_ratio']:.2f}x less prefill "
               f"time, {mt['cpu_time_ratio']:.2f}x less CPU time (best of {args.reps} runs of each variant; each run's "
               f"own ratio: {', '.join(f'{r:.2f}x' for r in mt['run_time_ratios'])})")
+        print(f"checkpoints taken inside a step (prefix cache side): {mt['prefix_cache']['split_checkpoints']}")
+        off = result.get("multi_turn_in_step_off")
+        if off is not None:
+            print(f"checkpoint_in_step off: no cache {off['no_cache']['prefill_seconds']:.2f} s, prefix cache "
+                  f"{off['prefix_cache']['prefill_seconds']:.2f} s: {off['time_ratio']:.2f}x less prefill time "
+                  f"(runs: {', '.join(f'{r:.2f}x' for r in off['run_time_ratios'])})")
         off = result.get("multi_turn_prefill_graphs_off")
         if off is not None:
             print(f"prefill graphs off: no cache {off['no_cache']['prefill_seconds']:.2f} s, prefix cache "

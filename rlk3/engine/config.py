@@ -63,6 +63,9 @@ class EngineConfig:
     # a tail checkpoint where a finished generation's computed tokens end: an agent loop that re-sends the
     # conversation with the model's reply resumes after the reply instead of recomputing it
     checkpoint_generation_end: bool = True
+    # a checkpoint at a block boundary inside a prefill chunk is taken in the step (KDA in two phases: runner.KdaSplit)
+    # instead of ending the chunk there and computing the rest in another step; not on the CPU kernels' runner
+    checkpoint_in_step: bool = True
     spill_bytes: int = 0  # evicted prefix blocks may spill to CPU memory up to this many bytes (0 = drop them)
     # requests whose prompt equals one being prefilled wait for it and continue from a copy of its cache (KDA state,
     # MLA pages shared): a GRPO group's prompt is computed once, not once per sample (scheduler.py)
@@ -130,7 +133,7 @@ class EngineConfig:
             )
         _int(own, "spill_bytes", self.spill_bytes, 0)
         for key in ("enable_prefix_cache", "share_prefill", "checkpoint_prompt_end", "checkpoint_generation_end",
-                    "recompute_on_weight_update", "cuda_graphs"):
+                    "checkpoint_in_step", "recompute_on_weight_update", "cuda_graphs"):
             _bool(own, key, getattr(self, key))
         if self.compile is not None and not isinstance(self.compile, bool):
             raise EngineConfigError(f"{own}.compile must be a bool or None (None: on CUDA only), got {self.compile!r}")

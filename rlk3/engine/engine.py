@@ -32,13 +32,14 @@ import torch
 
 from rlk3.engine import runner_cpu
 from rlk3.engine.config import EngineConfig, EngineConfigError, SamplingParams
-from rlk3.engine.cuda_graphs import DecodeGraphs, PrefillGraphs, prefill_bucket
+from rlk3.engine.cuda_graphs import DecodeGraphs, PrefillGraphs, prefill_bucket, split_rows_bucket
 from rlk3.engine.pool import PagedPool, PoolLayout, budget_bytes
 from rlk3.engine.prefix_cache import PrefixCache
 from rlk3.engine.request import FinishReason, GenerationResult, Request, RequestStatus
 from rlk3.engine.runner import (
     ForwardBatch,
     GraphPad,
+    KdaSplit,
     ModelRunner,
     PackedPrefill,
     decode_conv_indices,
@@ -116,6 +117,7 @@ class EngineStats:
     padded_prefill_steps: int  # all-prefill steps run padded through the prefill graphs (prefill_graphs)
     prefill_padding_tokens: int  # padding tokens those steps computed and dropped
     prefill_capture_seconds: float  # of prefill_seconds: capturing the prefill graphs, once per shape
+    split_checkpoints: int  # KDA checkpoints taken inside a prefill chunk (checkpoint_in_step), each a step saved
     preemptions: int
     dropped_caches: int  # paused / finished caches given up under memory pressure or by a weight update
     shared_prefill_tokens: int  # prompt tokens requests did not compute: copied from a leader's (share_prefill)
@@ -193,6 +195,9 @@ class RolloutEngine:
         sampler = config.sampler or ("counter" if self.device.type == "cuda" else "generator")
         self.counter_sampling = sampler == "counter"
         self.runner = self._runner(model, config, compile)
+        # checkpoints inside a chunk need the runner's two-phase KDA (the CPU kernels' runner has none)
+        self.scheduler.split_ok = (config.checkpoint_in_step and self.runner.kda_splits
+                                   and self.layout.pages_per_slot > 0)
         self.version = 0
         self.released = False
         self._arrivals = itertools.count()
@@ -210,7 +215,7 @@ class RolloutEngine:
         self._unreported: dict[str, GenerationResult] = {}  # finished while settling a step, for the next step()
         self._progress = 0  # step() calls that did any work (generate()'s check that something can run)
         self._overlapped = 0
-        self._padded_steps = self._padding_tokens = 0
+        self._padded_steps = self._padding_tokens = self._split_checkpoints = 0
         self._capture_seconds = 0.0  # of prefill graphs since dropped (release_memory)
         self._steps = self._prefill_tokens = self._decode_tokens = self._generated = 0
         self._prefill_seconds = self._decode_seconds = 0.0
@@ -550,6 +555,7 @@ class RolloutEngine:
             decode_tokens=self._decode_tokens, generated_tokens=self._generated,
             prefill_seconds=self._prefill_seconds, decode_seconds=self._decode_seconds,
             overlapped_steps=self._overlapped, padded_prefill_steps=self._padded_steps,
+            split_checkpoints=self._split_checkpoints,
             prefill_padding_tokens=self._padding_tokens, prefill_capture_seconds=self._capture_seconds + (
                 self._prefill_graphs.capture_seconds if self._prefill_graphs is not None else 0.0),
             preemptions=self.scheduler.preemptions, dropped_caches=self.scheduler.dropped_caches,
@@ -577,7 +583,7 @@ class RolloutEngine:
             return
         refs = [0] * pool.num_pages
         for req in self.requests.values():
-            for p in req.pages + (req.slot or []):
+            for p in req.pages + (req.slot or []) + (req.split_slot or []):
                 refs[p] += 1
             if req.slot is not None:
                 assert req.status != RequestStatus.WAITING, req.request_id
@@ -732,26 +738,86 @@ class RolloutEngine:
             write_pages = write_offsets = torch.zeros(0, dtype=torch.long)
         slot_t = torch.tensor(slots, dtype=torch.long).view(n_all, self.layout.pages_per_slot)
         cu = torch.cat([torch.zeros(1, dtype=torch.long), n_seq.cumsum(0)])
+        nd = N - len(multi)
+        split = self._kda_split(plan, nd, lens_all, slot_t, row0, len(ids), bucket is not None, conv_rows)
         # the fixed-layout part first (runner.static_parts: a prefill graph copies it in one operation)
         parts = [torch.tensor(ids), slot_t, write_pages, write_offsets, torch.tensor(logit_rows, dtype=torch.long),
-                 conv_src, conv_new, cu, table, torch.tensor(seq_lens)]
+                 conv_src, conv_new, cu, *split.values(), table, torch.tensor(seq_lens)]
         buf = torch.cat([x.reshape(-1) for x in parts])
         if self.device.type != "cpu":
             buf = buf.pin_memory().to(self.device, non_blocking=True)
-        ids_t, slots_t, pages_t, offsets_t, rows_t, src_t, new_t, cu_t, table_t, seq_lens_t = (
-            x.view(p.shape) for x, p in zip(buf.split([x.numel() for x in parts]), parts))
+        views = [x.view(p.shape) for x, p in zip(buf.split([x.numel() for x in parts]), parts)]
+        ids_t, slots_t, pages_t, offsets_t, rows_t, src_t, new_t, cu_t = views[:8]
+        table_t, seq_lens_t = views[-2:]
         batch = ForwardBatch(
-            input_ids=ids_t, num_decode=N - len(multi), prefill_starts=starts, prefill_lens=lens,
+            input_ids=ids_t, num_decode=nd, prefill_starts=starts, prefill_lens=lens,
             slot_pages=slots_t, block_tables=table_t, seq_lens=seq_lens_t, write_pages=pages_t,
             write_offsets=offsets_t, logit_rows=rows_t, conv_src=src_t, conv_new=new_t,
         )
+        S = R = 0
+        if split:
+            batch.kda_split = KdaSplit(**dict(zip(split, views[8:-2])), cu0_cpu=split["cu0"], cu1_cpu=split["cu1"])
+            S, R = split["ckpt"].shape[0], split["rows1"].shape[0]
+            self._split_checkpoints += S
         if bucket is not None:
-            fixed = sum(math.prod(shape) for _, shape in static_parts(len(ids), n_all, self.layout))
+            fixed = sum(math.prod(shape) for _, shape in static_parts(len(ids), n_all, self.layout, S, R))
             batch.prefill_offsets = (cu_t, cu)
-            batch.pad = GraphPad(tokens=T, seqs=n_all, logits=L, static=buf[:fixed])
+            batch.pad = GraphPad(tokens=T, seqs=n_all, logits=L, static=buf[:fixed], splits=S, split_rows=R)
         if has_mla and len(multi) > 1:
             batch.packed = self._packed_groups(multi, starts, lens)
         return batch
+
+    def _kda_split(self, plan, nd: int, lens: list[int], slots: torch.Tensor, row0: torch.Tensor, rows: int,
+                   padded: bool, conv_rows) -> dict[str, torch.Tensor]:
+        """``KdaSplit``'s tensors (host) for the sequences the scheduler split at a checkpoint boundary inside their
+        chunk (``Request.split_at``), in ``runner.split_parts`` order; empty when there are none. ``lens``, ``slots``
+        and ``row0`` cover every sequence of the step (padding ones included), ``rows`` its tokens; ``conv_rows``
+        maps (sequence, first row, chunk inputs) to rows of the conv buffer."""
+        at = {i: (req.split_at - req.num_computed, req.split_slot) for i, (req, _) in enumerate(plan)
+              if req.split_at is not None}
+        if not at:
+            return {}
+        seg0, init0, final0, seg1, rows1, init1, final1, conv, ckpt = [], [], [], [], [], [], [], [], []
+        for i in range(nd, len(lens)):
+            slot = slots[i].tolist()
+            if i not in at:
+                seg0.append(lens[i])
+                init0.append(slot)
+                final0.append(slot)
+                continue
+            a, ck = at[i]
+            first = int(row0[i]) - nd
+            seg0 += [a, lens[i] - a]
+            init0 += [slot, slot]  # the part after the boundary is recomputed in phase 1: its state here is discarded
+            final0 += [ck, slot]
+            seg1.append(lens[i] - a)
+            rows1 += range(first + a, first + lens[i])
+            init1.append(ck)
+            final1.append(slot)
+            conv.append(conv_rows(torch.tensor(i), row0[i], a - self.layout.conv_width + torch.arange(
+                self.layout.conv_width)))
+            ckpt.append(ck)
+        P, TB = rows - nd, len(rows1)
+        if padded:  # the rows up to the bucket are one more segment, on the scratch slot
+            R = split_rows_bucket(TB, P)
+            seg1.append(R - TB)
+            rows1 += [0] * (R - TB)
+            init1.append(self._prefill_graphs.scratch_slot())
+            final1.append(self._prefill_graphs.scratch_slot())
+        pos1, take1 = torch.zeros(P, dtype=torch.long), torch.zeros(P, dtype=torch.long)
+        real = torch.tensor(rows1[:TB], dtype=torch.long)
+        pos1[real], take1[real] = torch.arange(TB), 1
+        pps = self.layout.pages_per_slot
+
+        def offsets(seg):
+            return torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor(seg, dtype=torch.long).cumsum(0)])
+
+        def pages(rows_):
+            return torch.tensor(rows_, dtype=torch.long).view(len(rows_), pps)
+
+        return dict(cu0=offsets(seg0), init0=pages(init0), final0=pages(final0),
+                    rows1=torch.tensor(rows1, dtype=torch.long), cu1=offsets(seg1), init1=pages(init1),
+                    final1=pages(final1), pos1=pos1, take1=take1, conv_rows=torch.stack(conv), ckpt=pages(ckpt))
 
     def _prefill_bucket(self, tokens: int, seqs: int) -> tuple[int, int] | None:
         """The padded shape of an all-prefill step the prefill graphs take, or None (it runs as it is)."""

@@ -140,6 +140,24 @@ class PrefixCache:
         self.checkpoints_taken += 1
         return True
 
+    def reserve(self, n: int) -> list[int] | None:
+        """``n`` pages for a checkpoint computed in a step before its block is inserted (``adopt_checkpoint``),
+        evicting LRU entries as ``add_checkpoint`` would; None (counted as skipped) when that is not enough."""
+        pages = self._alloc(n, set())
+        if pages is None:
+            self.checkpoints_skipped += 1
+        return pages
+
+    def adopt_checkpoint(self, key: bytes, pages: list[int]) -> bool:
+        """Makes ``pages`` (a filled KDA slot from ``reserve``, reference passed on) the checkpoint of the cached block
+        ``key``. False when the block is not cached or has a checkpoint: the caller keeps the pages."""
+        entry = self.device.get(key)
+        if entry is None or entry.checkpoint is not None:
+            return False
+        entry.checkpoint = list(pages)
+        self.checkpoints_taken += 1
+        return True
+
     def add_tail(self, parent: bytes, depth: int, tokens: list[int], pages: list[int], slot: list[int],
                  protect: set[bytes] = frozenset(), evict: bool = True) -> bytes | None:
         """Caches a tail (module docstring): ``tokens`` after ``depth`` full blocks whose last key is ``parent``, the

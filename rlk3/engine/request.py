@@ -68,6 +68,9 @@ class Request:
     fork_at: int = 0  # as a leader: the position where its followers take a copy of its cache (prompt length - 1)
     followers: list[Request] = field(default_factory=list, repr=False)  # waiting for this request to reach fork_at
     leader: Request | None = field(default=None, repr=False)  # as a follower: whose prefill it waits for
+    # this step's KDA checkpoint inside the chunk (Scheduler.split): its position and the slot reserved for it
+    split_at: int | None = None
+    split_slot: list[int] | None = None
 
     @property
     def pending(self) -> int:

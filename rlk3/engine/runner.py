@@ -81,6 +81,44 @@ class ForwardBatch:
     prefill_offsets: tuple[torch.Tensor, torch.Tensor] | None = None
     # set when the step is padded to a prefill graph's static shape (``GraphPad``)
     pad: GraphPad | None = None
+    # set when a KDA checkpoint is taken inside a multi-token chunk (``KdaSplit``)
+    kda_split: KdaSplit | None = None
+
+
+@dataclass
+class KdaSplit:
+    """KDA checkpoints inside a prefill chunk (``EngineConfig.checkpoint_in_step``): a sequence whose chunk crosses a
+    block boundary that wants a checkpoint runs KDA in two phases instead of ending the step there. Phase 0 is the
+    usual varlen call over every multi-token row, with each split sequence cut into two segments: the part before the
+    boundary, whose final state goes to a fresh checkpoint slot, and the part after, computed from the wrong state
+    and discarded. Phase 1 recomputes the parts after the boundaries from those checkpoints, and their final states
+    are the sequences' own. Everything else in the step (projections, MoE, MLA) runs once. The extra work is KDA over
+    the rows after each boundary; what it saves is a whole step, which on a GPU costs about as much for 128 tokens
+    as for 2,048 (docs/BENCHMARKS.md). Rows are indices into the step's multi-token rows; slot tensors are
+    ``[segments, pages_per_slot]`` like ``ForwardBatch.slot_pages``."""
+
+    cu0: torch.Tensor  # [M + 1] phase 0 segments
+    init0: torch.Tensor  # [M, pps] each segment's initial state
+    final0: torch.Tensor  # [M, pps] where its final state goes
+    rows1: torch.Tensor  # [R] the rows phase 1 computes (each split's rows after its boundary; then padding: row 0)
+    cu1: torch.Tensor  # [S1 + 1] phase 1 segments over rows1
+    init1: torch.Tensor  # [S1, pps]: the checkpoints (padding: the scratch slot)
+    final1: torch.Tensor  # [S1, pps]: the sequences' slots
+    pos1: torch.Tensor  # [P] each multi-token row's index in rows1 (0 when it has none)
+    take1: torch.Tensor  # [P] 1 where the row's output is phase 1's
+    conv_rows: torch.Tensor  # [S, kernel − 1] rows of the conv buffer (ForwardBatch.conv_src's) before each boundary
+    ckpt: torch.Tensor  # [S, pps] the checkpoint slots, which also take those conv rows
+    cu0_cpu: torch.Tensor | None = None  # host copies of the offsets (the torch path and FLA's eager mode read them)
+    cu1_cpu: torch.Tensor | None = None
+
+
+def split_parts(P: int, N: int, S: int, R: int, S1: int, layout: PoolLayout) -> list[tuple[str, tuple[int, ...]]]:
+    """``KdaSplit``'s tensors (all int64) and shapes for ``P`` multi-token rows, ``N`` multi-token sequences, ``S``
+    splits, ``R`` phase-1 rows in ``S1`` segments: the order of the step's host-to-device buffer."""
+    pps, W, M = layout.pages_per_slot, layout.conv_width, N + S
+    return [("cu0", (M + 1,)), ("init0", (M, pps)), ("final0", (M, pps)), ("rows1", (R,)), ("cu1", (S1 + 1,)),
+            ("init1", (S1, pps)), ("final1", (S1, pps)), ("pos1", (P,)), ("take1", (P,)), ("conv_rows", (S, W)),
+            ("ckpt", (S, pps))]
 
 
 @dataclass
@@ -97,23 +135,28 @@ class GraphPad:
     seqs: int
     logits: int
     static: torch.Tensor
+    splits: int = 0  # KdaSplit's S (the static head then holds its tensors: ``split_parts``)
+    split_rows: int = 0  # its R
 
 
-def static_parts(T: int, N: int, layout: PoolLayout) -> list[tuple[str, tuple[int, ...]]]:
+def static_parts(T: int, N: int, layout: PoolLayout, S: int = 0, R: int = 0) -> list[tuple[str, tuple[int, ...]]]:
     """The fixed-layout head of a padded step's host-to-device buffer (``GraphPad.static``): each part's name and
-    shape for ``T`` tokens and ``N`` sequences. Its size depends only on (T, N), so a prefill graph's inputs are one
-    buffer of that size and a step's are copied into it at once."""
+    shape for ``T`` tokens and ``N`` sequences (and ``S`` KDA splits over ``R`` phase-1 rows, ``split_parts``: one
+    padding segment in phase 1). Its size depends only on (T, N, S, R), so a prefill graph's inputs are one buffer of
+    that size and a step's are copied into it at once."""
     W, mla = layout.conv_width, bool(layout.mla_layers)
-    return [
+    parts = [
         ("input_ids", (T,)), ("slot_pages", (N, layout.pages_per_slot)), ("write_pages", (T if mla else 0,)),
         ("write_offsets", (T if mla else 0,)), ("logit_rows", (N,)), ("conv_src", (T, W + 1)), ("conv_new", (N, W)),
         ("cu", (N + 1,)),
     ]
+    return parts + (split_parts(T, N, S, R, S + 1, layout) if S else [])
 
 
-def split_static(static: torch.Tensor, T: int, N: int, layout: PoolLayout) -> dict[str, torch.Tensor]:
+def split_static(static: torch.Tensor, T: int, N: int, layout: PoolLayout, S: int = 0,
+                 R: int = 0) -> dict[str, torch.Tensor]:
     """``static_parts``' views of a flat buffer."""
-    parts = static_parts(T, N, layout)
+    parts = static_parts(T, N, layout, S, R)
     sizes = [math.prod(shape) for _, shape in parts]
     return {name: x.view(shape) for (name, shape), x in zip(parts, static.split(sizes))}
 
@@ -214,6 +257,7 @@ class ModelRunner:
         self._fused: dict[int, list[torch.Tensor]] = {}
         self._splits: dict[int, list[int]] = {}
         self.sync_ok = True  # False while a CUDA graph is being captured: no host synchronisation then
+        self.kda_splits = True  # runs ForwardBatch.kda_split (KDA checkpoints inside a chunk)
         self.compiled = compile
         fns = (mix_norm, norm_only, feed_forward_dense, kda_input, kda_output, mla_input, mla_output)
         if compile:
@@ -298,7 +342,12 @@ class ModelRunner:
         # q, k, v (conv'd together), the forget-gate input, beta, the output gate: one matmul
         qkv, f_a, beta, gate = F.linear(h, w_in).split(self._splits[idx], dim=-1)
         src, new = (None, None) if nd == T else (b.conv_src, b.conv_new)
-        conv, g, cache = self._kda_input(attn, qkv, f_a, convs[pages], w_conv, src, new)
+        cached = convs[pages]
+        conv, g, cache = self._kda_input(attn, qkv, f_a, cached, w_conv, src, new)
+        sp = b.kda_split
+        if sp is not None:  # the conv caches at the checkpoints: the kernel − 1 inputs before each boundary
+            rows = torch.cat([cached.reshape(-1, cached.shape[-1]).to(qkv.dtype), qkv])[sp.conv_rows]
+            convs[sp.ckpt[:, page_col]] = rows.to(convs.dtype)
         convs[pages] = cache.to(convs.dtype)
         q, k, v = (t.view(T, H, K) for t in conv.chunk(3, dim=-1))
         g = g.view(T, H, K)
@@ -313,20 +362,31 @@ class ModelRunner:
                 check_unique=False, **kwargs,
             )
             outs.append(o[:, 0])
-        if b.prefill_lens or b.pad is not None:
-            sel = pages[nd:]
+        if (b.prefill_lens or b.pad is not None) and sp is not None:
+            x = (q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:])
+            o0 = self._chunk(attn, x, states, page_col, sp.init0, sp.final0, sp.cu0, sp.cu0_cpu, b, kwargs)
+            o1 = self._chunk(attn, [t[sp.rows1] for t in x], states, page_col, sp.init1, sp.final1, sp.cu1,
+                             sp.cu1_cpu, b, kwargs)
+            outs.append(torch.where(sp.take1[:, None, None] != 0, o1[sp.pos1], o0))
+        elif b.prefill_lens or b.pad is not None:
             cu, cu_cpu = b.prefill_offsets
-            # a padded batch: static chunk indexing over a fixed number of sequences (no host read, capturable)
-            graph = dict(use_graph=True, max_num_seqs=b.pad.seqs) if b.pad is not None else {}
-            o, final = chunk_kda(
-                q[None, nd:], k[None, nd:], v[None, nd:], g[None, nd:], beta[None, nd:], initial_state=states[sel],
-                output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, safe_gate=attn.bounded,
-                chunk_size=attn.chunk_size, **graph, **kwargs,
-            )
-            states[sel] = final
-            outs.append(o[0])
+            outs.append(self._chunk(attn, (q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:]), states, page_col,
+                                    b.slot_pages[nd:], b.slot_pages[nd:], cu, cu_cpu, b, kwargs))
         o = torch.cat(outs) if len(outs) > 1 else outs[0]
         return self._kda_output(attn, o, gate)
+
+    def _chunk(self, attn, x, states, col: int, init, final, cu, cu_cpu, b: ForwardBatch, kwargs) -> torch.Tensor:
+        """``chunk_kda`` over rows ``x = (q, k, v, g, beta)`` in segments ``cu``, each from the state in slot ``init``
+        to slot ``final`` (``[segments, pages_per_slot]``, this layer's column ``col``); returns the output
+        ``[rows, H, V]``. A padded step indexes its chunks on the device over a fixed number of segments (FLA's graph
+        mode: no host read, capturable)."""
+        graph = dict(use_graph=True, max_num_seqs=cu.shape[0] - 1) if b.pad is not None else {}
+        q, k, v, g, beta = (t[None] for t in x)
+        o, last = chunk_kda(q, k, v, g, beta, initial_state=states[init[:, col]], output_final_state=True,
+                            cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, safe_gate=attn.bounded, chunk_size=attn.chunk_size,
+                            **graph, **kwargs)
+        states[final[:, col]] = last
+        return o[0]
 
     # -- MLA
 

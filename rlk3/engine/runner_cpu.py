@@ -45,6 +45,7 @@ class CPURunner(ModelRunner):
         self._derived: dict[int, dict[str, torch.Tensor]] = {}
         self._index = {layer: i for i, layer in enumerate(model.model.layers)}
         super().__init__(model, layout, backend, compile=compile)
+        self.kda_splits = False  # the kernel's recurrence runs each sequence from its slot in one pass
 
     @torch.no_grad()
     def refresh_weights(self) -> None:

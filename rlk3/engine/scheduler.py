@@ -49,6 +49,7 @@ class Scheduler:
         self._finish_order = itertools.count()
         self.leaders: dict[tuple[int, ...], Request] = {}  # shared prefill: by prompt, requests others may follow
         self.version = 0  # the engine's weight version (blocks computed under older weights are not cached)
+        self.split_ok = False  # checkpoints may be taken inside a chunk (set by the engine: checkpoint_in_step)
         # counters for stats()
         self.preemptions = self.dropped_caches = self.shared_prefill_tokens = 0
 
@@ -211,23 +212,53 @@ class Scheduler:
     def wants_checkpoint(self, req: Request, boundary: int) -> bool:
         return (boundary * self.block_tokens) % self.config.checkpoint_interval == 0 or boundary in req.marks
 
+    def _wanted(self, req: Request) -> tuple[int, int]:
+        """The next two positions past ``num_computed`` that want a checkpoint (a boundary on the interval or a
+        marked one, or a tail mark off the boundaries)."""
+        pos, B = req.num_computed, self.block_tokens
+        interval = self.config.checkpoint_interval
+        nxt = (pos // interval + 1) * interval
+        wanted = {nxt, nxt + interval, *(m * B for m in req.marks if m * B > pos),
+                  *(t for t in req.tail_marks if t > pos)}
+        first, second = sorted(wanted)[:2]
+        return first, second
+
     def _cut(self, req: Request) -> int:
         """Tokens from ``num_computed`` to the next boundary that wants a KDA checkpoint, or to the fork point of a
-        leader with followers (a chunk ends there)."""
+        leader with followers (a chunk ends there). With ``split_ok`` a chunk runs on past a block boundary's
+        checkpoint to the next one (``split``: the checkpoint is taken inside the step); a tail checkpoint, at a
+        request's own turn end, still ends the chunk."""
         cut = req.pending
         if req.followers and req.num_computed < req.fork_at:
             cut = req.fork_at - req.num_computed
         if self.prefix is None or req.cache_version != self.version:
             return cut
-        pos, B = req.num_computed, self.block_tokens
-        interval = self.config.checkpoint_interval
-        nxt = (pos // interval + 1) * interval
-        marked = [m * B for m in req.marks if m * B > pos] + [t for t in req.tail_marks if t > pos]
-        return min([cut + pos, nxt, *marked]) - pos
+        first, second = self._wanted(req)
+        stop = second if self.split_ok and first % self.block_tokens == 0 else first
+        return min(cut, stop - req.num_computed)
+
+    def split(self, plan: dict[Request, int]) -> None:
+        """Marks each planned chunk that crosses a block boundary wanting a checkpoint (``_cut`` let it): the step
+        copies the KDA state there into a slot reserved here (``Request.split_at`` / ``split_slot``), which
+        ``register`` hands to the prefix cache. With no room for the slot the chunk ends at the boundary instead."""
+        for req, n in plan.items():
+            if not self.split_ok or n < 2 or self.prefix is None or req.cache_version != self.version:
+                continue
+            first, _ = self._wanted(req)
+            if first % self.block_tokens or first >= req.num_computed + n:
+                continue
+            slot = self.prefix.reserve(self.pool.layout.pages_per_slot)
+            if slot is None:
+                plan[req] = first - req.num_computed
+                continue
+            req.split_at, req.split_slot = first, slot
 
     def register(self, req: Request) -> None:
         """After a step: hand newly completed blocks to the prefix cache, and a checkpoint at a wanted boundary."""
+        split, req.split_at, slot, req.split_slot = req.split_at, None, req.split_slot, None
         if self.prefix is None or req.cache_version != self.version or req.slot is None:
+            if slot is not None:
+                self.pool.decref(slot)
             return
         B = self.block_tokens
         full = req.num_computed // B
@@ -238,6 +269,8 @@ class Scheduler:
                 self.prefix.insert_block(keys[b], b, req.pages[b * ppb : (b + 1) * ppb])
             req.num_registered = full
             self.prefix.touch(keys)
+        if slot is not None and not self.prefix.adopt_checkpoint(self.keys(req, split // B)[-1], slot):
+            self.pool.decref(slot)
         if full and req.num_computed % B == 0 and self.wants_checkpoint(req, full):
             keys = self.keys(req, full)
             self.prefix.add_checkpoint(keys[-1], req.slot, protect=set(keys))
@@ -347,6 +380,10 @@ class Scheduler:
         cfg = self.config
         budget = cfg.max_tokens_per_step
         plan: dict[Request, int] = {}
+        for req in self.running:  # a slot reserved for a step that raised before ``register``
+            if req.split_slot is not None:
+                self.pool.decref(req.split_slot)
+                req.split_at = req.split_slot = None
         if self.leaders:
             self._fork_followers(plan)
 
@@ -402,6 +439,7 @@ class Scheduler:
                 plan[req] = n + extra
                 budget -= extra
 
+        self.split(plan)
         # single-token sequences first (the batched decode path), each group in priority order
         order = sorted(plan.items(), key=lambda item: (item[1] != 1, item[0].priority))
         return order

@@ -1,8 +1,10 @@
 """Acceptance item 3: a shared 2,000-token prefix is not prefilled again (up to one checkpoint interval), and a
 hit never restores a KDA state from the wrong boundary. Also CPU spill and agent-marked turn ends."""
 
+import pytest
+
 from rlk3.engine import EngineConfig, RolloutEngine, SamplingParams
-from tests.rlk3.engine._oracle import assert_greedy_matches_full_forward, prompt
+from tests.rlk3.engine._oracle import assert_greedy_matches_full_forward, mixed_workload, prompt
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0)
 
@@ -39,17 +41,21 @@ def test_shared_prefix_prefills_only_new_tokens_plus_one_interval(tiny):
     assert stats.hits == 1 and stats.hit_tokens == 1024
 
 
-def test_a_hit_never_restores_a_state_from_the_wrong_boundary(tiny):
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_a_hit_never_restores_a_state_from_the_wrong_boundary(tiny, backend):
     """Checkpoints at 512, 1024 and 1536 (interval 512), and tails at the prompt's end (1700) and where the generation
     ended (1703: the last sampled token is never computed). Prompts that diverge one token after / one token before
     a checkpoint must resume there / at the one before, never at a deeper checkpoint whose prefix they do not share;
-    the same for the tails."""
-    cfg = EngineConfig(memory_bytes=48 * 2**20, checkpoint_interval=512, max_tokens_per_step=1024)
+    the same for the tails. ``torch``: the torch runner takes the checkpoints at 512 and 1536 inside its steps
+    (``checkpoint_in_step``; the CPU kernels' runner ends its chunks there), in two steps where the other takes four."""
+    cfg = EngineConfig(memory_bytes=48 * 2**20, checkpoint_interval=512, max_tokens_per_step=1024, backend=backend)
     engine = RolloutEngine(tiny, cfg)
     base = prompt(1700, seed=30)
     first, _ = _run(engine, base)
     stats = engine.stats().prefix_cache
     assert (stats.checkpoints_taken, stats.tails_taken, stats.checkpoints) == (3, 2, 5)
+    prefill_steps = engine.stats().steps - (len(first.token_ids) - 1)
+    assert (engine.stats().split_checkpoints, prefill_steps) == ((2, 2) if backend == "torch" else (0, 4))
     other = prompt(1800, seed=31)
     said = base + first.token_ids  # the conversation as an agent loop re-sends it, the reply included
     cases = [(1025, 1024), (1023, 512), (1024, 1024), (1536, 1536), (1537, 1536), (511, 0),
@@ -180,3 +186,87 @@ def test_a_generation_end_tail_never_evicts_while_a_prompt_end_tail_may():
     cache.clear()
     pool.decref(owner)
     assert pool.num_free == pool.num_pages and not cache.tails
+
+
+def _conversation(engine, turns: int = 4) -> list:
+    """An agent loop re-sending a growing conversation: each turn's chunk crosses the 64-token boundaries that want
+    checkpoints (interval 64 below) and ends at a tail checkpoint."""
+    out, conv = [], []
+    for turn in range(turns):
+        conv = conv + prompt(150 + 7 * turn, seed=turn)
+        res = engine.generate([conv], SamplingParams(max_tokens=5, temperature=0))[0]
+        out.append(res)
+        conv = conv + res.token_ids
+    return out
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["plain", "padded"])
+@pytest.mark.parametrize("workload", [mixed_workload, _conversation], ids=["mixed", "conversation"])
+def test_checkpoints_taken_inside_a_step_change_no_result(tiny, padded, workload):
+    """``checkpoint_in_step`` (the torch runner; the padded steps are the prefill graphs' pieces run eagerly): the
+    same tokens and log-probs (fp32, within 1e-6) as ending each chunk at its checkpoint boundary, the same tokens
+    prefilled, checkpoints taken and cache hits, in fewer steps; the pool's bookkeeping (the reserved checkpoint
+    slots included) intact after every step."""
+    cfg = dict(memory_bytes=16 * 2**20, max_tokens_per_step=256, prefill_chunk=64, prefix_block_tokens=64,
+               checkpoint_interval=64, backend="torch", prefill_graphs=padded)
+    runs = []
+    for in_step in (False, True):
+        engine = RolloutEngine(tiny, EngineConfig(**cfg, checkpoint_in_step=in_step))
+        step = engine.step
+
+        def checked(step=step, engine=engine):
+            out = step()
+            engine.check_invariants()
+            return out
+
+        engine.step = checked
+        runs.append((workload(engine), engine.stats()))
+    (want, before), (got, after) = runs
+    for a, b in zip(got, want, strict=True):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= 1e-6
+    assert before.split_checkpoints == 0 and after.split_checkpoints >= 6
+    assert after.steps <= before.steps - after.split_checkpoints // 2
+    assert (after.prefill_tokens, after.prefix_cache.checkpoints_taken, after.prefix_cache.hit_tokens) == (
+        before.prefill_tokens, before.prefix_cache.checkpoints_taken, before.prefix_cache.hit_tokens)
+    assert (after.padded_prefill_steps > 0) == padded
+
+
+def test_a_checkpoint_without_room_ends_the_chunk_at_its_boundary(tiny, monkeypatch):
+    """When no slot can be reserved for a checkpoint inside a chunk (the pool full even after evicting), the chunk ends
+    at the boundary, as with ``checkpoint_in_step`` off: the same steps and results, nothing reserved or leaked."""
+    cfg = dict(memory_bytes=16 * 2**20, max_tokens_per_step=256, prefill_chunk=64, prefix_block_tokens=64,
+               checkpoint_interval=64, backend="torch")
+    off = RolloutEngine(tiny, EngineConfig(**cfg, checkpoint_in_step=False))
+    full = RolloutEngine(tiny, EngineConfig(**cfg))
+    monkeypatch.setattr(full.prefix, "reserve", lambda n: None)
+    want, got = _conversation(off), _conversation(full)
+    assert [(r.token_ids, r.logprobs) for r in got] == [(r.token_ids, r.logprobs) for r in want]
+    assert full.stats().split_checkpoints == 0 and full.stats().steps == off.stats().steps
+    full.check_invariants()
+
+
+def test_a_step_that_raises_leaks_no_reserved_checkpoint_slot(tiny, monkeypatch):
+    """A step whose forward raises after the scheduler reserved a checkpoint slot inside its chunk: the next step
+    gives the slot back, and the request then generates what an engine that never failed generates."""
+    cfg = EngineConfig(memory_bytes=16 * 2**20, max_tokens_per_step=256, prefix_block_tokens=64,
+                       checkpoint_interval=64, backend="torch")
+    engine = RolloutEngine(tiny, cfg)
+    rid = engine.add_request(prompt(200, seed=5), GREEDY)
+    forward = engine._forward
+
+    def fails(batch):
+        monkeypatch.setattr(engine, "_forward", forward)
+        assert batch.kda_split is not None  # the failing step is one that reserved a slot
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine, "_forward", fails)
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.step()
+    assert engine._get(rid).split_slot is not None
+    engine.check_invariants()  # the reserved slot is held, and counted
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_invariants()
+    want = RolloutEngine(tiny, cfg).generate([prompt(200, seed=5)], GREEDY)[0]
+    assert (engine.result(rid).token_ids, engine.result(rid).logprobs) == (want.token_ids, want.logprobs)
