@@ -88,8 +88,8 @@ class Scheduler:
 
     def free_cache(self, req: Request) -> None:
         """Returns a request's pages to the pool (shared prefix pages just lose a reference)."""
-        owned = list(req.pages) + (req.slot or [])
-        req.pages, req.slot = [], None
+        owned = list(req.pages) + (req.slot or []) + (req.split_slot or [])  # (a slot reserved for a failed step)
+        req.pages, req.slot, req.split_at, req.split_slot = [], None, None, None
         req.num_computed = req.num_registered = 0
         self.pool.decref(owned)
 

@@ -248,7 +248,8 @@ def test_a_checkpoint_without_room_ends_the_chunk_at_its_boundary(tiny, monkeypa
 
 def test_a_step_that_raises_leaks_no_reserved_checkpoint_slot(tiny, monkeypatch):
     """A step whose forward raises after the scheduler reserved a checkpoint slot inside its chunk: the next step
-    gives the slot back, and the request then generates what an engine that never failed generates."""
+    gives the slot back (or an abort does), and the request then generates what an engine that never failed
+    generates."""
     cfg = EngineConfig(memory_bytes=16 * 2**20, max_tokens_per_step=256, prefix_block_tokens=64,
                        checkpoint_interval=64, backend="torch")
     engine = RolloutEngine(tiny, cfg)
@@ -265,6 +266,12 @@ def test_a_step_that_raises_leaks_no_reserved_checkpoint_slot(tiny, monkeypatch)
         engine.step()
     assert engine._get(rid).split_slot is not None
     engine.check_invariants()  # the reserved slot is held, and counted
+    other = engine.add_request(prompt(200, seed=6), GREEDY)  # the same failure, then an abort: its pages all go back
+    monkeypatch.setattr(engine, "_forward", fails)
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.step()
+    engine.abort(other)
+    engine.check_invariants()
     while engine.has_unfinished():
         engine.step()
     engine.check_invariants()
