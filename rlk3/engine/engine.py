@@ -756,7 +756,9 @@ class RolloutEngine:
         )
         S = R = 0
         if split:
-            batch.kda_split = KdaSplit(**dict(zip(split, views[8:-2])), cu0_cpu=split["cu0"], cu1_cpu=split["cu1"])
+            before = {i: req.split_at - req.num_computed for i, (req, _) in enumerate(plan) if req.split_at is not None}
+            batch.kda_split = KdaSplit(**dict(zip(split, views[8:-2])), cu0_cpu=split["cu0"], cu1_cpu=split["cu1"],
+                                       lens_before=[before.get(i, lens_all[i]) for i in range(nd, n_all)])
             S, R = split["ckpt"].shape[0], split["rows1"].shape[0]
             self._split_checkpoints += S
         if bucket is not None:

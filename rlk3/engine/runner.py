@@ -110,6 +110,9 @@ class KdaSplit:
     ckpt: torch.Tensor  # [S, pps] the checkpoint slots, which also take those conv rows
     cu0_cpu: torch.Tensor | None = None  # host copies of the offsets (the torch path and FLA's eager mode read them)
     cu1_cpu: torch.Tensor | None = None
+    # host: per multi-token sequence, its rows up to its boundary (all of them when it has none): the CPU kernels'
+    # runner (runner_cpu.py) runs those first, copies the states at the boundaries, then the rows after them
+    lens_before: list[int] | None = None
 
 
 def split_parts(P: int, N: int, S: int, R: int, S1: int, layout: PoolLayout) -> list[tuple[str, tuple[int, ...]]]:

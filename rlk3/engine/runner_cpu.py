@@ -45,7 +45,6 @@ class CPURunner(ModelRunner):
         self._derived: dict[int, dict[str, torch.Tensor]] = {}
         self._index = {layer: i for i, layer in enumerate(model.model.layers)}
         super().__init__(model, layout, backend, compile=compile)
-        self.kda_splits = False  # the kernel's recurrence runs each sequence from its slot in one pass
 
     @torch.no_grad()
     def refresh_weights(self) -> None:
@@ -149,13 +148,31 @@ class CPURunner(ModelRunner):
         if not hasattr(attn, "g_proj"):  # Kimi Linear's low-rank output gate: lift it, then point the kernel at it
             lifted = attn.g_b_proj(proj[:, gate_col : gate_col + gate_width])
             proj = torch.cat([proj[:, :gate_col], lifted], dim=1)
-        o = cpu.kda_recurrent(
-            proj, beta_col, gate_col, g, conv_weight_t=self._derived[idx]["conv_t"],
-            conv_pool=pool.kda_conv(position), state_pool=pool.kda_state(position),
-            slots=self._step_slots(b, page_col), cu_seqlens=self._step_cu(b), num_heads=H, head_dim=K,
-            A_log=attn.A_log, dt_bias=attn.dt_bias, lower_bound=attn.lower_bound, norm_weight=attn.o_norm.weight,
-            norm_eps=attn.o_norm.eps, check=False,
-        )
+        convs, states = pool.kda_conv(position), pool.kda_state(position)
+
+        def recurrent(proj, g, slots, cu):
+            return cpu.kda_recurrent(
+                proj, beta_col, gate_col, g, conv_weight_t=self._derived[idx]["conv_t"], conv_pool=convs,
+                state_pool=states, slots=slots, cu_seqlens=cu, num_heads=H, head_dim=K, A_log=attn.A_log,
+                dt_bias=attn.dt_bias, lower_bound=attn.lower_bound, norm_weight=attn.o_norm.weight,
+                norm_eps=attn.o_norm.eps, check=False,
+            )
+
+        slots, sp = self._step_slots(b, page_col), b.kda_split
+        if sp is None:
+            return F.linear(recurrent(proj, g, slots, self._step_cu(b)), attn.o_proj.weight)
+        # a checkpoint inside a chunk (runner.KdaSplit): the kernel advances each slot in one pass, so the rows up to
+        # the boundaries run first, each boundary's state and conv cache are copied into its checkpoint, then the
+        # rows after the boundaries continue from the same slots
+        nd, S = b.num_decode, sp.ckpt.shape[0]
+        after = sp.rows1[: int(sp.take1.sum())] + nd
+        before = torch.cat([torch.arange(nd), nd + (sp.take1 == 0).nonzero()[:, 0]])
+        cu = torch.tensor([*range(nd + 1), *(nd + x for x in itertools.accumulate(sp.lens_before))])
+        o = torch.empty(proj.shape[0], H * K)
+        o[before] = recurrent(proj[before], g[before], slots, cu)
+        own, ckpt = sp.final1[:S, page_col], sp.ckpt[:, page_col]
+        states[ckpt], convs[ckpt] = states[own], convs[own]
+        o[after] = recurrent(proj[after], g[after], own.contiguous(), sp.cu1_cpu[: S + 1])
         return F.linear(o, attn.o_proj.weight)
 
     @staticmethod

@@ -46,8 +46,9 @@ def test_a_hit_never_restores_a_state_from_the_wrong_boundary(tiny, backend):
     """Checkpoints at 512, 1024 and 1536 (interval 512), and tails at the prompt's end (1700) and where the generation
     ended (1703: the last sampled token is never computed). Prompts that diverge one token after / one token before
     a checkpoint must resume there / at the one before, never at a deeper checkpoint whose prefix they do not share;
-    the same for the tails. ``torch``: the torch runner takes the checkpoints at 512 and 1536 inside its steps
-    (``checkpoint_in_step``; the CPU kernels' runner ends its chunks there), in two steps where the other takes four."""
+    the same for the tails. Both runners (the CPU kernels', the torch path) take the checkpoints at 512 and 1536
+    inside their steps (``checkpoint_in_step``): two prefill steps, where ending each chunk at its boundary takes
+    four."""
     cfg = EngineConfig(memory_bytes=48 * 2**20, checkpoint_interval=512, max_tokens_per_step=1024, backend=backend)
     engine = RolloutEngine(tiny, cfg)
     base = prompt(1700, seed=30)
@@ -55,7 +56,8 @@ def test_a_hit_never_restores_a_state_from_the_wrong_boundary(tiny, backend):
     stats = engine.stats().prefix_cache
     assert (stats.checkpoints_taken, stats.tails_taken, stats.checkpoints) == (3, 2, 5)
     prefill_steps = engine.stats().steps - (len(first.token_ids) - 1)
-    assert (engine.stats().split_checkpoints, prefill_steps) == ((2, 2) if backend == "torch" else (0, 4))
+    assert (engine.stats().split_checkpoints, prefill_steps) == (2, 2)
+    assert engine.stats().kernels == ("torch" if backend == "torch" else "cpu")
     other = prompt(1800, seed=31)
     said = base + first.token_ids  # the conversation as an agent loop re-sends it, the reply included
     cases = [(1025, 1024), (1023, 512), (1024, 1024), (1536, 1536), (1537, 1536), (511, 0),
@@ -200,15 +202,17 @@ def _conversation(engine, turns: int = 4) -> list:
     return out
 
 
-@pytest.mark.parametrize("padded", [False, True], ids=["plain", "padded"])
+@pytest.mark.parametrize("backend,padded", [("torch", False), ("torch", True), ("auto", False)],
+                         ids=["torch", "torch-padded", "cpu-kernels"])
 @pytest.mark.parametrize("workload", [mixed_workload, _conversation], ids=["mixed", "conversation"])
-def test_checkpoints_taken_inside_a_step_change_no_result(tiny, padded, workload):
-    """``checkpoint_in_step`` (the torch runner; the padded steps are the prefill graphs' pieces run eagerly): the
-    same tokens and log-probs (fp32, within 1e-6) as ending each chunk at its checkpoint boundary, the same tokens
-    prefilled, checkpoints taken and cache hits, in fewer steps; the pool's bookkeeping (the reserved checkpoint
-    slots included) intact after every step."""
+def test_checkpoints_taken_inside_a_step_change_no_result(tiny, backend, padded, workload):
+    """``checkpoint_in_step`` (the torch runner's two-phase chunked KDA, plain and in padded steps — the prefill
+    graphs' pieces run eagerly —, and the CPU kernels' runner's two passes): the same tokens and log-probs (fp32,
+    within 1e-6) as ending each chunk at its checkpoint boundary, the same tokens prefilled, checkpoints taken and
+    cache hits, in fewer steps; the pool's bookkeeping (the reserved checkpoint slots included) intact after every
+    step."""
     cfg = dict(memory_bytes=16 * 2**20, max_tokens_per_step=256, prefill_chunk=64, prefix_block_tokens=64,
-               checkpoint_interval=64, backend="torch", prefill_graphs=padded)
+               checkpoint_interval=64, backend=backend, prefill_graphs=padded)
     runs = []
     for in_step in (False, True):
         engine = RolloutEngine(tiny, EngineConfig(**cfg, checkpoint_in_step=in_step))
@@ -230,6 +234,7 @@ def test_checkpoints_taken_inside_a_step_change_no_result(tiny, padded, workload
     assert (after.prefill_tokens, after.prefix_cache.checkpoints_taken, after.prefix_cache.hit_tokens) == (
         before.prefill_tokens, before.prefix_cache.checkpoints_taken, before.prefix_cache.hit_tokens)
     assert (after.padded_prefill_steps > 0) == padded
+    assert after.kernels == ("cpu" if backend == "auto" else "torch")
 
 
 def test_a_checkpoint_without_room_ends_the_chunk_at_its_boundary(tiny, monkeypatch):
