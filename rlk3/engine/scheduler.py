@@ -9,8 +9,9 @@ Every step the scheduler hands out at most ``max_tokens_per_step`` tokens to at 
 
 So a 100K-token prompt takes at most its fair share while short requests are waiting, and uses the whole budget
 when they are not (budget-based admission: the short ones' first tokens arrive within a bounded number of steps).
-A prefill chunk also ends at the next block boundary that wants a KDA checkpoint, where the state is copied, and at a
-turn end the agent loop marked (a tail checkpoint there; prefix_cache.py).
+A prefill chunk also ends at a block boundary that wants a KDA checkpoint, where the state is copied (with
+``checkpoint_in_step`` at the second such boundary: the first one's checkpoint is taken inside the step, ``split``),
+and at a turn end the agent loop marked (a tail checkpoint there; prefix_cache.py).
 
 Shared prefill (``share_prefill``): a waiting request whose tokens equal those of a request being prefilled (a GRPO
 group's samples of one prompt) is not admitted; it follows that leader, whose prefill stops once at its prompt's last
