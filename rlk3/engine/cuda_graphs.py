@@ -133,8 +133,9 @@ class DecodeGraphs:
         return self.outputs[size][:n]
 
 
-# Prefill steps are padded to these shapes: token counts rounded up to 1/16 of their octave (at least 128 tokens:
-# 2,100 tokens run as 2,304, so at most ~12% padding work) and sequence counts up to the next of
+# Prefill steps are padded to these shapes: token counts rounded up to 1/32 of their octave (at least 128 tokens:
+# 2,100 tokens run as 2,176, so at most ~6% padding work; a cached turn of +2,048 tokens and the reply's last token,
+# 2,049, ran as 2,304 with 1/16, which cost ~0.4 ms of its ~10 ms on the H200) and sequence counts up to the next of
 # PREFILL_SEQ_BUCKETS (one more than the real sequences: the padding tokens form a sequence of their own). The
 # PREFILL_MAX_SHAPES shapes used last keep their graphs (each holds its query and output buffers and logits).
 PREFILL_MIN_QUANTUM = 128
@@ -144,7 +145,7 @@ PREFILL_MAX_SHAPES = 24
 
 def prefill_bucket(tokens: int, seqs: int, max_tokens: int) -> tuple[int, int] | None:
     """The padded ``(tokens, sequences)`` shape of an all-prefill step, or None when no bucket holds it."""
-    q = max(PREFILL_MIN_QUANTUM, 1 << max(0, (tokens - 1).bit_length() - 4))
+    q = max(PREFILL_MIN_QUANTUM, 1 << max(0, (tokens - 1).bit_length() - 5))
     padded = -(-tokens // q) * q
     n = next((b for b in PREFILL_SEQ_BUCKETS if b > seqs), None)
     if n is None or padded > max(max_tokens, PREFILL_MIN_QUANTUM):

@@ -19,6 +19,7 @@ that settled step returns its final result instead of raising.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import functools
 import itertools
@@ -158,6 +159,15 @@ class _InFlight:
     tokens: torch.Tensor  # [n] sampled ids on the device: the next step's inputs
     host: torch.Tensor  # [2, n] float64 (ids, logprobs), filled by a non-blocking copy
     done: torch.cuda.Event | None  # recorded after that copy (None on CPU, where it is already done)
+
+
+def _longs(values: Sequence[int] | Sequence[Sequence[int]]) -> torch.Tensor:
+    """A flat int64 tensor of a list of Python ints (or of equal-length lists of them, flattened row by row).
+    ``torch.tensor`` parses a list element by element (~0.16 µs each: a cached turn's 2,300 input ids took 0.37 ms of
+    a 1-1.5 ms batch build); ``array`` parses it in C (~20 ns each)."""
+    if values and isinstance(values[0], (list, tuple)):
+        values = list(itertools.chain.from_iterable(values))
+    return torch.frombuffer(array.array("q", values), dtype=torch.long) if values else torch.zeros(0, dtype=torch.long)
 
 
 def _ranges(counts: torch.Tensor, total: int) -> torch.Tensor:
@@ -714,7 +724,7 @@ class RolloutEngine:
             slots += [graphs.scratch_slot()] * (N_pad - N)
             logit_rows += [0] * (N_pad - L)
         n_all = len(lens_all)
-        n_seq = torch.tensor(lens_all, dtype=torch.long)
+        n_seq = _longs(lens_all)
         row0 = n_seq.cumsum(0) - n_seq  # each sequence's first row among the step's tokens
         seq = torch.repeat_interleave(torch.arange(n_all), n_seq, output_size=len(ids))  # each token's sequence
         local = torch.arange(len(ids)) - row0[seq]  # each token's index inside its sequence's chunk
@@ -726,23 +736,23 @@ class RolloutEngine:
         taps = torch.arange(W + 1) - W  # tap j of token i reads input i − W + j
         conv_src = conv_rows(seq[:, None], row0[seq][:, None], local[:, None] + taps)
         conv_new = conv_rows(torch.arange(n_all)[:, None], row0[:, None], n_seq[:, None] + taps[:-1])  # last W inputs
-        table = torch.tensor(tables, dtype=torch.long)
+        table = _longs(tables).view(len(tables), width)
         if has_mla:
             real = seq[:T]
-            pos = torch.tensor(seq_lens)[real] - n_seq[real] + local[:T]  # each token's position in its sequence
+            pos = _longs(seq_lens)[real] - n_seq[real] + local[:T]  # each token's position in its sequence
             write_pages, write_offsets = table[real, pos // bs], pos % bs
             if bucket is not None:  # padding tokens write the scratch page
                 write_pages = torch.cat([write_pages, torch.full((len(ids) - T,), graphs.scratch_page())])
                 write_offsets = torch.cat([write_offsets, local[T:] % bs])
         else:
             write_pages = write_offsets = torch.zeros(0, dtype=torch.long)
-        slot_t = torch.tensor(slots, dtype=torch.long).view(n_all, self.layout.pages_per_slot)
+        slot_t = _longs(slots).view(n_all, self.layout.pages_per_slot)
         cu = torch.cat([torch.zeros(1, dtype=torch.long), n_seq.cumsum(0)])
         nd = N - len(multi)
         split = self._kda_split(plan, nd, lens_all, slot_t, row0, len(ids), bucket is not None, conv_rows)
         # the fixed-layout part first (runner.static_parts: a prefill graph copies it in one operation)
-        parts = [torch.tensor(ids), slot_t, write_pages, write_offsets, torch.tensor(logit_rows, dtype=torch.long),
-                 conv_src, conv_new, cu, *split.values(), table, torch.tensor(seq_lens)]
+        parts = [_longs(ids), slot_t, write_pages, write_offsets, _longs(logit_rows),
+                 conv_src, conv_new, cu, *split.values(), table, _longs(seq_lens)]
         buf = torch.cat([x.reshape(-1) for x in parts])
         if self.device.type != "cpu":
             buf = buf.pin_memory().to(self.device, non_blocking=True)
@@ -807,18 +817,18 @@ class RolloutEngine:
             init1.append(self._prefill_graphs.scratch_slot())
             final1.append(self._prefill_graphs.scratch_slot())
         pos1, take1 = torch.zeros(P, dtype=torch.long), torch.zeros(P, dtype=torch.long)
-        real = torch.tensor(rows1[:TB], dtype=torch.long)
+        real = _longs(rows1[:TB])
         pos1[real], take1[real] = torch.arange(TB), 1
         pps = self.layout.pages_per_slot
 
         def offsets(seg):
-            return torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor(seg, dtype=torch.long).cumsum(0)])
+            return torch.cat([torch.zeros(1, dtype=torch.long), _longs(seg).cumsum(0)])
 
         def pages(rows_):
-            return torch.tensor(rows_, dtype=torch.long).view(len(rows_), pps)
+            return _longs(rows_).view(len(rows_), pps)
 
         return dict(cu0=offsets(seg0), init0=pages(init0), final0=pages(final0),
-                    rows1=torch.tensor(rows1, dtype=torch.long), cu1=offsets(seg1), init1=pages(init1),
+                    rows1=_longs(rows1), cu1=offsets(seg1), init1=pages(init1),
                     final1=pages(final1), pos1=pos1, take1=take1, conv_rows=torch.stack(conv), ckpt=pages(ckpt))
 
     def _prefill_bucket(self, tokens: int, seqs: int) -> tuple[int, int] | None:
@@ -894,7 +904,7 @@ class RolloutEngine:
             width = 1
             flat += [0] * (3 * N)
         cols.append(width)
-        buf = torch.tensor(flat, dtype=torch.long)
+        buf = _longs(flat)
         if dev.type != "cpu":
             buf = buf.pin_memory().to(dev, non_blocking=True)
         slots, host_ids, seq_lens, write_pages, write_offsets, tables = buf.split([c * N for c in cols])
