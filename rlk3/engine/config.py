@@ -64,7 +64,7 @@ class EngineConfig:
     # conversation with the model's reply resumes after the reply instead of recomputing it
     checkpoint_generation_end: bool = True
     # a checkpoint at a block boundary inside a prefill chunk is taken in the step (KDA in two phases: runner.KdaSplit)
-    # instead of ending the chunk there and computing the rest in another step; not on the CPU kernels' runner
+    # instead of ending the chunk there and computing the rest in another step (both runners)
     checkpoint_in_step: bool = True
     spill_bytes: int = 0  # evicted prefix blocks may spill to CPU memory up to this many bytes (0 = drop them)
     # requests whose prompt equals one being prefilled wait for it and continue from a copy of its cache (KDA state,
@@ -82,7 +82,7 @@ class EngineConfig:
     compile: bool | None = None
     cuda_graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256])
     # capture all-prefill steps too, piecewise (each MLA layer's attention stays eager between the pieces), padded to
-    # 1/16 of the token count's octave (at least 128) and 4/16/64/256 sequences (cuda_graphs.PrefillGraphs): a
+    # 1/32 of the token count's octave (at least 128) and 4/16/64/256 sequences (cuda_graphs.PrefillGraphs): a
     # prefill step's ~850 launches cost ~50 ms of host time for a few ms of GPU work (a cached multi-turn turn 4.6x
     # faster on the H200: docs/BENCHMARKS.md). None (the default): on where decode steps replay CUDA graphs. True on
     # CPU (or the torch backend) runs the same padded pieces eagerly, which only tests them

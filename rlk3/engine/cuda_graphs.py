@@ -135,9 +135,10 @@ class DecodeGraphs:
 
 # Prefill steps are padded to these shapes: token counts rounded up to 1/32 of their octave (at least 128 tokens:
 # 2,100 tokens run as 2,176, so at most ~6% padding work; a cached turn of +2,048 tokens and the reply's last token,
-# 2,049, ran as 2,304 with 1/16, which cost ~0.4 ms of its ~10 ms on the H200) and sequence counts up to the next of
-# PREFILL_SEQ_BUCKETS (one more than the real sequences: the padding tokens form a sequence of their own). The
-# PREFILL_MAX_SHAPES shapes used last keep their graphs (each holds its query and output buffers and logits).
+# 2,049, pads 127 rows instead of 1/16's 255, though on the H200 the two timed the same within noise) and sequence
+# counts up to the next of PREFILL_SEQ_BUCKETS (one more than the real sequences: the padding tokens form a sequence
+# of their own). The PREFILL_MAX_SHAPES shapes used last keep their graphs (each holds its query and output buffers
+# and logits).
 PREFILL_MIN_QUANTUM = 128
 PREFILL_SEQ_BUCKETS = (4, 16, 64, 256)
 PREFILL_MAX_SHAPES = 24
