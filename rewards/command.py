@@ -42,7 +42,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from rewards.base import Grade, GraderConfigError, TrajectoryLike
-from rewards.workspace import FileEntry, Limits, LocalSandboxes, SandboxProvider, Workspace
+from rewards.workspace import FileEntry, Limits, LocalSandboxes, SandboxProvider, Workspace, grade_in_fork
 
 RUNNER = Path(__file__).with_name("command_runner.py")
 GRADER_DIR = "/grader"
@@ -322,15 +322,7 @@ class CommandGrader:
     # ------------------------------------------------------------------------------------------------ grading
     def grade(self, task: Any, trajectory: TrajectoryLike) -> Grade:
         task, plan = self._checked(task)
-        try:
-            original = self.sandboxes.open(trajectory.sandbox_id)
-        except (KeyError, TypeError, ValueError) as e:
-            return Grade.fail(f"no_sandbox: {e}")
-        judge = original.fork()
-        try:
-            return self._grade_in(judge, task, plan)
-        finally:
-            judge.close()
+        return grade_in_fork(self.sandboxes, trajectory.sandbox_id, lambda ws: self._grade_in(ws, task, plan))
 
     def _grade_in(self, ws: Workspace, task: CommandTask, plan: Plan) -> Grade:
         entries = ws.list_files()

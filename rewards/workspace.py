@@ -31,9 +31,12 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
+
+from rewards.base import Grade
 
 WORKDIR = "/workspace"
 MiB = 1 << 20
@@ -106,6 +109,21 @@ class SandboxProvider(Protocol):
     """Resolves a trajectory's `sandbox_id` to a workspace."""
 
     def open(self, sandbox_id: str) -> Workspace: ...
+
+
+def grade_in_fork(sandboxes: SandboxProvider, sandbox_id: str, judge: Callable[[Workspace], Grade]) -> Grade:
+    """``judge`` run in a fork of the trajectory's sandbox, closed afterwards: what a grader writes (restored tests,
+    its harness, build outputs) never lands in the sandbox the policy left, which stays as it was for a later look.
+    An id that does not resolve is a failed grade (``no_sandbox: ...``), not an exception."""
+    try:
+        original = sandboxes.open(sandbox_id)
+    except (KeyError, TypeError, ValueError) as e:
+        return Grade.fail(f"no_sandbox: {e}")
+    fork = original.fork()
+    try:
+        return judge(fork)
+    finally:
+        fork.close()
 
 
 # ----------------------------------------------------------------------------------------------- cgroups

@@ -32,7 +32,7 @@ from typing import Any
 
 from rewards.base import Grade, GraderConfigError, TrajectoryLike
 from rewards.code.runner import encode
-from rewards.workspace import Limits, LocalSandboxes, SandboxProvider, Workspace
+from rewards.workspace import Limits, LocalSandboxes, SandboxProvider, Workspace, grade_in_fork
 
 RUNNER = Path(__file__).with_name("runner.py")
 INJECTION_NAMES = {"conftest.py", "pytest.ini", "sitecustomize.py", "usercustomize.py", "__main__.py"}
@@ -107,15 +107,7 @@ class CodeGrader:
 
     # ------------------------------------------------------------------------------------------------
     def grade(self, task: CodeTask, trajectory: TrajectoryLike) -> Grade:
-        try:
-            original = self.sandboxes.open(trajectory.sandbox_id)
-        except (KeyError, TypeError, ValueError) as e:
-            return Grade.fail(f"no_sandbox: {e}")
-        judge = original.fork()
-        try:
-            return self._grade_in(judge, task)
-        finally:
-            judge.close()
+        return grade_in_fork(self.sandboxes, trajectory.sandbox_id, lambda ws: self._grade_in(ws, task))
 
     def _grade_in(self, ws: Workspace, task: CodeTask) -> Grade:
         entries = ws.list_files()

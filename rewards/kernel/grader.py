@@ -26,7 +26,7 @@ from typing import Any
 from rewards.base import Grade, GraderConfigError, TrajectoryLike
 from rewards.code.grader import INJECTION_NAMES, sha256
 from rewards.kernel.static import static_findings
-from rewards.workspace import Limits, LocalSandboxes, SandboxProvider, Workspace
+from rewards.workspace import Limits, LocalSandboxes, SandboxProvider, Workspace, grade_in_fork
 
 HERE = Path(__file__).parent
 PRISTINE = ("judge.py", "worker.py", "tasks.py")
@@ -79,15 +79,7 @@ class KernelGrader:
             raise GraderConfigError(f"grader 'kernel': device {task.device!r} is not cpu or cuda[:N]")
 
     def grade(self, task: KernelTask, trajectory: TrajectoryLike) -> Grade:
-        try:
-            original = self.sandboxes.open(trajectory.sandbox_id)
-        except (KeyError, TypeError, ValueError) as e:
-            return Grade.fail(f"no_sandbox: {e}")
-        judge = original.fork()
-        try:
-            return self._grade_in(judge, task)
-        finally:
-            judge.close()
+        return grade_in_fork(self.sandboxes, trajectory.sandbox_id, lambda ws: self._grade_in(ws, task))
 
     def _grade_in(self, ws: Workspace, task: KernelTask) -> Grade:
         from rewards.kernel.tasks import TASKS

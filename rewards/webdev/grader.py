@@ -29,7 +29,7 @@ from typing import Any
 
 from rewards.base import Grade, GraderConfigError, TrajectoryLike
 from rewards.code.grader import sha256
-from rewards.workspace import Limits, LocalSandboxes, SandboxProvider, Workspace
+from rewards.workspace import Limits, LocalSandboxes, SandboxProvider, Workspace, grade_in_fork
 
 HERE = Path(__file__).parent
 TEMPLATE = HERE / "template"
@@ -124,15 +124,7 @@ class WebdevGrader:
         missing = self.missing_assets()
         if missing:
             return Grade.fail(f"grader_error: pristine assets missing: {'; '.join(missing)}")
-        try:
-            original = self.sandboxes.open(trajectory.sandbox_id)
-        except (KeyError, TypeError, ValueError) as e:
-            return Grade.fail(f"no_sandbox: {e}")
-        judge = original.fork()
-        try:
-            return self._grade_in(judge, task)
-        finally:
-            judge.close()
+        return grade_in_fork(self.sandboxes, trajectory.sandbox_id, lambda ws: self._grade_in(ws, task))
 
     # ------------------------------------------------------------------------------------------------
     def _inspect(self, ws: Workspace, task: WebdevTask, entries) -> list[str]:
