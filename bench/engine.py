@@ -5,6 +5,11 @@ run, and multi-turn prefill with and without the prefix cache.
     python bench/engine.py --device cuda         # GPU: k3-small bf16, batch 1 / 32 / 128, roofline; multi-turn
     python bench/engine.py --skip decode --skip multi-turn   # only the RL-groups section
 
+Multi-turn: an agent loop re-sends the whole conversation each turn, on one engine per variant (prefix cache on,
+off, and one request continued with ``extend`` for reference); on CUDA each engine first runs one untimed
+conversation of the same shapes (kernels compiled, prefill graphs captured, as in a long-lived engine), then
+``--reps`` timed ones, each new to the engine.
+
 RL groups: a rollout batch as GRPO makes it — G prompts x n samples each, sampled at temperature 1 — with shared
 prefill off and the generator sampler (the engine's defaults before them), shared prefill on, and both (the defaults
 now on CUDA); the ratio is against the first, in the same run.
@@ -220,40 +225,34 @@ def roofline(model, engine, batch: int, context: int, device) -> dict:
                 roofline_tok_s=batch / (step_bytes / bandwidth))
 
 
-def multi_turn(model, device, turns: int, turn_tokens: int, gen_tokens: int, cfg: EngineConfig) -> dict:
-    """An agent loop that re-sends the whole conversation each turn (add_request), with the prefix cache on and
-    off; and the same conversation kept in one request with extend() for reference."""
-    vocab = model.config.vocab_size
-    out = {}
-    for name, enable in (("prefix_cache", True), ("no_cache", False)):
-        gc.collect()  # the previous engine's pool (a reference cycle) before another is allocated
-        engine = RolloutEngine(model, EngineConfig(**{**cfg.__dict__, "enable_prefix_cache": enable}))
-        conv = []
-        g = torch.Generator().manual_seed(3)
-        per_turn = []
-        for turn in range(turns):
-            conv = conv + torch.randint(1, vocab, (turn_tokens,), generator=g).tolist()
-            before, cpu = engine.stats(), time.process_time()
-            res = engine.generate([conv], SamplingParams(max_tokens=gen_tokens, temperature=0))[0]
-            sync(device)
-            after = engine.stats()
-            # graph captures (once per step shape, like an engine's start-up) are reported, not counted as prefill
-            capture = after.prefill_capture_seconds - before.prefill_capture_seconds
-            per_turn.append(dict(turn=turn + 1, context=len(conv), cached=res.num_cached_tokens,
-                                 prefill_tokens=after.prefill_tokens - before.prefill_tokens,
-                                 prefill_seconds=after.prefill_seconds - before.prefill_seconds - capture,
-                                 capture_seconds=capture, turn_cpu_seconds=time.process_time() - cpu))
-            conv = conv + res.token_ids
-        out[name] = dict(split_checkpoints=engine.stats().split_checkpoints,
-                         prefill_tokens=sum(t["prefill_tokens"] for t in per_turn),
-                         prefill_seconds=sum(t["prefill_seconds"] for t in per_turn),
-                         capture_seconds=sum(t["capture_seconds"] for t in per_turn),
-                         cpu_seconds=sum(t["turn_cpu_seconds"] for t in per_turn), turns=per_turn)
-    # the same conversation as one request continued with extend(): nothing is recomputed
-    gc.collect()
-    engine = RolloutEngine(model, cfg)
-    g = torch.Generator().manual_seed(3)
-    cpu = time.process_time()
+def conversation(engine, vocab: int, turns: int, turn_tokens: int, gen_tokens: int, device, seed: int) -> dict:
+    """An agent loop that re-sends the whole conversation each turn (``generate``): per turn the prefill tokens and
+    seconds the engine counted (graph captures, once per step shape like an engine's start-up, reported apart)."""
+    g = torch.Generator().manual_seed(seed)
+    conv, per_turn, first = [], [], engine.stats()
+    for turn in range(turns):
+        conv = conv + torch.randint(1, vocab, (turn_tokens,), generator=g).tolist()
+        before, cpu = engine.stats(), time.process_time()
+        res = engine.generate([conv], SamplingParams(max_tokens=gen_tokens, temperature=0))[0]
+        sync(device)
+        after = engine.stats()
+        capture = after.prefill_capture_seconds - before.prefill_capture_seconds
+        per_turn.append(dict(turn=turn + 1, context=len(conv), cached=res.num_cached_tokens,
+                             prefill_tokens=after.prefill_tokens - before.prefill_tokens,
+                             prefill_seconds=after.prefill_seconds - before.prefill_seconds - capture,
+                             capture_seconds=capture, turn_cpu_seconds=time.process_time() - cpu))
+        conv = conv + res.token_ids
+    return dict(split_checkpoints=engine.stats().split_checkpoints - first.split_checkpoints,
+                prefill_tokens=sum(t["prefill_tokens"] for t in per_turn),
+                prefill_seconds=sum(t["prefill_seconds"] for t in per_turn),
+                capture_seconds=sum(t["capture_seconds"] for t in per_turn),
+                cpu_seconds=sum(t["turn_cpu_seconds"] for t in per_turn), turns=per_turn)
+
+
+def extended(engine, vocab: int, turns: int, turn_tokens: int, gen_tokens: int, seed: int) -> dict:
+    """The same conversation as one request continued with ``extend()``: nothing is recomputed."""
+    g = torch.Generator().manual_seed(seed)
+    before, cpu = engine.stats(), time.process_time()
     rid = engine.add_request(torch.randint(1, vocab, (turn_tokens,), generator=g).tolist(),
                              SamplingParams(max_tokens=gen_tokens, temperature=0))
     for turn in range(turns):
@@ -261,28 +260,48 @@ def multi_turn(model, device, turns: int, turn_tokens: int, gen_tokens: int, cfg
             engine.step()
         if turn + 1 < turns:
             engine.extend(rid, torch.randint(1, vocab, (turn_tokens,), generator=g).tolist())
-    stats = engine.stats()
-    out["extend"] = dict(prefill_tokens=stats.prefill_tokens,
-                         prefill_seconds=stats.prefill_seconds - stats.prefill_capture_seconds,
-                         capture_seconds=stats.prefill_capture_seconds, cpu_seconds=time.process_time() - cpu)
-    return with_ratios(out)
+    engine.release([rid])
+    after = engine.stats()
+    capture = after.prefill_capture_seconds - before.prefill_capture_seconds
+    return dict(prefill_tokens=after.prefill_tokens - before.prefill_tokens,
+                prefill_seconds=after.prefill_seconds - before.prefill_seconds - capture,
+                capture_seconds=capture, cpu_seconds=time.process_time() - cpu)
 
 
-def with_ratios(out: dict) -> dict:
-    out["time_ratio"] = out["no_cache"]["prefill_seconds"] / out["prefix_cache"]["prefill_seconds"]
-    out["cpu_time_ratio"] = out["no_cache"]["cpu_seconds"] / out["prefix_cache"]["cpu_seconds"]
-    out["token_ratio"] = out["no_cache"]["prefill_tokens"] / out["prefix_cache"]["prefill_tokens"]
-    return out
+def multi_turn(model, device, turns: int, turn_tokens: int, gen_tokens: int, cfg: EngineConfig, reps: int,
+               warmup: int) -> dict:
+    """The multi-turn benchmark: one engine per variant (prefix cache on, off, and ``extend`` for reference) runs
+    ``warmup`` untimed conversations, then ``reps`` timed ones; each variant keeps its fastest run (as the decode rows
+    keep their best), and the ratio of each run pair is kept beside it (``run_time_ratios``) to show the spread.
 
-
-def best_multi_turn(reps: int, *args) -> dict:
-    """``multi_turn`` run ``reps`` times; each variant keeps its fastest run (as the decode rows keep their best),
-    and every run's time ratio is kept beside it (``run_time_ratios``) to show the spread."""
-    runs = [multi_turn(*args) for _ in range(max(reps, 1))]
-    best = {name: min((r[name] for r in runs), key=lambda m: m["prefill_seconds"])
-            for name in ("prefix_cache", "no_cache", "extend")}
-    best["run_time_ratios"] = [r["time_ratio"] for r in runs]
-    return with_ratios(best)
+    Run r of every variant is the same conversation (seed 3 + r); each conversation is new to its engine, so the
+    prefix cache only ever hits the conversation's own earlier turns. A long-lived engine (an RL run's) has its
+    kernels compiled and its prefill graphs captured; the warm-up conversations, which have the timed ones' shapes,
+    do that here (on CUDA; on the CPU there is nothing to warm)."""
+    vocab = model.config.vocab_size
+    runs: dict[str, list[dict]] = {}
+    for name in ("prefix_cache", "no_cache", "extend"):
+        gc.collect()  # the previous engine's pool (a reference cycle) before another is allocated
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        engine = RolloutEngine(model, EngineConfig(**{**cfg.__dict__, "enable_prefix_cache": name != "no_cache"}))
+        args = (engine, vocab, turns, turn_tokens, gen_tokens)
+        if name == "extend":
+            runs[name] = [extended(*args, seed) for seed in [1000 + w for w in range(warmup)] + [3 + r for r in
+                                                                                                  range(reps)]]
+        else:
+            runs[name] = [conversation(*args, device, seed) for seed in [1000 + w for w in range(warmup)]
+                          + [3 + r for r in range(reps)]]
+        runs[name] = runs[name][warmup:]
+        del engine, args
+    best = {name: min(rs, key=lambda m: m["prefill_seconds"]) for name, rs in runs.items()}
+    best["run_time_ratios"] = [n["prefill_seconds"] / p["prefill_seconds"]
+                               for n, p in zip(runs["no_cache"], runs["prefix_cache"])]
+    best["warmup_conversations"] = warmup
+    best["time_ratio"] = best["no_cache"]["prefill_seconds"] / best["prefix_cache"]["prefill_seconds"]
+    best["cpu_time_ratio"] = best["no_cache"]["cpu_seconds"] / best["prefix_cache"]["cpu_seconds"]
+    best["token_ratio"] = best["no_cache"]["prefill_tokens"] / best["prefix_cache"]["prefill_tokens"]
+    return best
 
 
 def main() -> None:
@@ -294,7 +313,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--turn-tokens", type=int, default=2048)
-    ap.add_argument("--skip", choices=["decode", "multi-turn", "rl-groups"], action="append", default=[])
+    ap.add_argument("--skip", choices=["decode", "multi-turn", "rl-groups", "graphs-off"], action="append", default=[],
+                    help="graphs-off: the multi-turn run without prefill graphs that CUDA adds for their effect")
     ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                     help="EngineConfig.compile: auto = on CUDA only")
     ap.add_argument("--prefill-graphs", choices=["auto", "on", "off"], default="auto",
@@ -349,32 +369,35 @@ def main() -> None:
             print(line)
 
     if "multi-turn" not in args.skip:
-        if cuda:  # a first run compiles and autotunes the Triton kernels for the prefill shapes: not prefill time
-            result["multi_turn_cold"] = multi_turn(model, device, args.turns, args.turn_tokens, 16, cfg)
-        mt = best_multi_turn(args.reps, model, device, args.turns, args.turn_tokens, 16, cfg)
+        warmup = 1 if cuda else 0  # CUDA: Triton's compilation and autotuning, the prefill graphs' captures
+        mt = multi_turn(model, device, args.turns, args.turn_tokens, 16, cfg, args.reps, warmup)
         result["multi_turn"] = mt
-        if cuda and cfg.prefill_graphs is not False:  # the same run without the prefill graphs, for their effect
-            off = dataclasses.replace(cfg, prefill_graphs=False)  # its own cold run: FLA's non-graph kernels compile
-            result["multi_turn_prefill_graphs_off_cold"] = multi_turn(model, device, args.turns, args.turn_tokens, 16,
-                                                                      off)
-            result["multi_turn_prefill_graphs_off"] = multi_turn(model, device, args.turns, args.turn_tokens, 16, off)
+        # the same run without the prefill graphs, for their effect
+        if cuda and cfg.prefill_graphs is not False and "graphs-off" not in args.skip:
+            off = dataclasses.replace(cfg, prefill_graphs=False)
+            result["multi_turn_prefill_graphs_off"] = multi_turn(model, device, args.turns, args.turn_tokens, 16, off,
+                                                                 1, warmup)
         if cfg.checkpoint_in_step:  # the same run ending each chunk at its checkpoint boundary, for the effect
             off = dataclasses.replace(cfg, checkpoint_in_step=False)
-            result["multi_turn_in_step_off"] = best_multi_turn(args.reps, model, device, args.turns, args.turn_tokens,
-                                                               16, off)
+            result["multi_turn_in_step_off"] = multi_turn(model, device, args.turns, args.turn_tokens, 16, off,
+                                                          args.reps, warmup)
         print(f"\nmulti-turn: {args.turns} turns of +{args.turn_tokens} tokens (16 generated per turn), "
               "whole conversation re-sent each turn")
         print("| | prefill tokens | prefill seconds (wall) | graph capture seconds (not counted) "
-              "| process CPU seconds (all 10 turns) |")
+              f"| process CPU seconds (all {args.turns} turns) |")
         print("|---|---:|---:|---:|---:|")
         for name in ("no_cache", "prefix_cache", "extend"):
             m = mt[name]
             print(f"| {name} | {m['prefill_tokens']} | {m['prefill_seconds']:.2f} | {m['capture_seconds']:.2f} "
                   f"| {m['cpu_seconds']:.2f} |")
         print(f"prefix cache: {mt['token_ratio']:.2f}x fewer prefill tokens, {mt['time_ratio']:.2f}x less prefill "
-              f"time, {mt['cpu_time_ratio']:.2f}x less CPU time (best of {args.reps} runs of each variant; each run's "
-              f"own ratio: {', '.join(f'{r:.2f}x' for r in mt['run_time_ratios'])})")
+              f"time, {mt['cpu_time_ratio']:.2f}x less CPU time (best of {args.reps} runs of each variant after "
+              f"{warmup} warm-up conversation(s) on the same engine; each run's own ratio: "
+              f"{', '.join(f'{r:.2f}x' for r in mt['run_time_ratios'])})")
         print(f"checkpoints taken inside a step (prefix cache side): {mt['prefix_cache']['split_checkpoints']}")
+        for name in ("no_cache", "prefix_cache"):
+            print(f"{name}, prefill ms per turn (best run): "
+                  + ", ".join(f"{t['prefill_seconds'] * 1e3:.1f}" for t in mt[name]["turns"]))
         off = result.get("multi_turn_in_step_off")
         if off is not None:
             print(f"checkpoint_in_step off: no cache {off['no_cache']['prefill_seconds']:.2f} s, prefix cache "

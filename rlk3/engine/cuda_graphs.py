@@ -224,6 +224,9 @@ class PrefillGraphs:
         if pieces is None:
             while len(self.pieces) >= PREFILL_MAX_SHAPES:  # the least recently used shape goes
                 self.pieces.pop(next(iter(self.pieces)))
+            # the GPU first finishes the steps launched before this one (a long prompt's earlier chunks, launched
+            # without a read-back): their time is prefill time, which capture_seconds must not take in
+            torch.cuda.synchronize()
             start = time.perf_counter()
             pieces = self._capture(batch)
             torch.cuda.synchronize()
