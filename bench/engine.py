@@ -225,9 +225,16 @@ def roofline(model, engine, batch: int, context: int, device) -> dict:
                 roofline_tok_s=batch / (step_bytes / bandwidth))
 
 
+def prefill_between(before, after) -> dict:
+    """The prefill tokens and seconds the engine counted between two ``stats()``; graph captures (once per step shape,
+    like an engine's start-up) are reported apart, not counted as prefill time."""
+    capture = after.prefill_capture_seconds - before.prefill_capture_seconds
+    return dict(prefill_tokens=after.prefill_tokens - before.prefill_tokens,
+                prefill_seconds=after.prefill_seconds - before.prefill_seconds - capture, capture_seconds=capture)
+
+
 def conversation(engine, vocab: int, turns: int, turn_tokens: int, gen_tokens: int, device, seed: int) -> dict:
-    """An agent loop that re-sends the whole conversation each turn (``generate``): per turn the prefill tokens and
-    seconds the engine counted (graph captures, once per step shape like an engine's start-up, reported apart)."""
+    """An agent loop that re-sends the whole conversation each turn (``generate``), per turn and in all."""
     g = torch.Generator().manual_seed(seed)
     conv, per_turn, first = [], [], engine.stats()
     for turn in range(turns):
@@ -235,21 +242,15 @@ def conversation(engine, vocab: int, turns: int, turn_tokens: int, gen_tokens: i
         before, cpu = engine.stats(), time.process_time()
         res = engine.generate([conv], SamplingParams(max_tokens=gen_tokens, temperature=0))[0]
         sync(device)
-        after = engine.stats()
-        capture = after.prefill_capture_seconds - before.prefill_capture_seconds
         per_turn.append(dict(turn=turn + 1, context=len(conv), cached=res.num_cached_tokens,
-                             prefill_tokens=after.prefill_tokens - before.prefill_tokens,
-                             prefill_seconds=after.prefill_seconds - before.prefill_seconds - capture,
-                             capture_seconds=capture, turn_cpu_seconds=time.process_time() - cpu))
+                             **prefill_between(before, engine.stats()), turn_cpu_seconds=time.process_time() - cpu))
         conv = conv + res.token_ids
     return dict(split_checkpoints=engine.stats().split_checkpoints - first.split_checkpoints,
-                prefill_tokens=sum(t["prefill_tokens"] for t in per_turn),
-                prefill_seconds=sum(t["prefill_seconds"] for t in per_turn),
-                capture_seconds=sum(t["capture_seconds"] for t in per_turn),
+                **{k: sum(t[k] for t in per_turn) for k in ("prefill_tokens", "prefill_seconds", "capture_seconds")},
                 cpu_seconds=sum(t["turn_cpu_seconds"] for t in per_turn), turns=per_turn)
 
 
-def extended(engine, vocab: int, turns: int, turn_tokens: int, gen_tokens: int, seed: int) -> dict:
+def extended(engine, vocab: int, turns: int, turn_tokens: int, gen_tokens: int, device, seed: int) -> dict:
     """The same conversation as one request continued with ``extend()``: nothing is recomputed."""
     g = torch.Generator().manual_seed(seed)
     before, cpu = engine.stats(), time.process_time()
@@ -261,11 +262,8 @@ def extended(engine, vocab: int, turns: int, turn_tokens: int, gen_tokens: int, 
         if turn + 1 < turns:
             engine.extend(rid, torch.randint(1, vocab, (turn_tokens,), generator=g).tolist())
     engine.release([rid])
-    after = engine.stats()
-    capture = after.prefill_capture_seconds - before.prefill_capture_seconds
-    return dict(prefill_tokens=after.prefill_tokens - before.prefill_tokens,
-                prefill_seconds=after.prefill_seconds - before.prefill_seconds - capture,
-                capture_seconds=capture, cpu_seconds=time.process_time() - cpu)
+    sync(device)
+    return dict(**prefill_between(before, engine.stats()), cpu_seconds=time.process_time() - cpu)
 
 
 def multi_turn(model, device, turns: int, turn_tokens: int, gen_tokens: int, cfg: EngineConfig, reps: int,
@@ -285,15 +283,11 @@ def multi_turn(model, device, turns: int, turn_tokens: int, gen_tokens: int, cfg
         if device.type == "cuda":
             torch.cuda.empty_cache()
         engine = RolloutEngine(model, EngineConfig(**{**cfg.__dict__, "enable_prefix_cache": name != "no_cache"}))
-        args = (engine, vocab, turns, turn_tokens, gen_tokens)
-        if name == "extend":
-            runs[name] = [extended(*args, seed) for seed in [1000 + w for w in range(warmup)] + [3 + r for r in
-                                                                                                  range(reps)]]
-        else:
-            runs[name] = [conversation(*args, device, seed) for seed in [1000 + w for w in range(warmup)]
-                          + [3 + r for r in range(reps)]]
-        runs[name] = runs[name][warmup:]
-        del engine, args
+        run = extended if name == "extend" else conversation
+        for seed in range(1000, 1000 + warmup):
+            run(engine, vocab, turns, turn_tokens, gen_tokens, device, seed)
+        runs[name] = [run(engine, vocab, turns, turn_tokens, gen_tokens, device, 3 + r) for r in range(reps)]
+        del engine
     best = {name: min(rs, key=lambda m: m["prefill_seconds"]) for name, rs in runs.items()}
     best["run_time_ratios"] = [n["prefill_seconds"] / p["prefill_seconds"]
                                for n, p in zip(runs["no_cache"], runs["prefix_cache"])]
