@@ -97,6 +97,11 @@ class EngineConfig:
     # read-back, stop checks) runs while the GPU computes (engine.py's docstring says what changes: results come one
     # step() later, a stop token is computed ahead). None (the default): on where decode steps replay CUDA graphs
     async_decode: bool | None = None
+    # causal prefill attention (fresh prompts, extensions of 512+ tokens) through cuDNN, padded to a few shapes, on
+    # CUDA in half precision (runner.py). Off (the default): FlashAttention-2, as the lengths come. cuDNN was 1.45-1.85x
+    # faster per call for a turn's 2K queries over 10-20K cached keys, but padded as it must be (a plan per new shape
+    # costs 40-100 ms) it did not beat FlashAttention-2 in the measured runs (docs/BENCHMARKS.md)
+    cudnn_attention: bool = False
 
     def __post_init__(self) -> None:
         own = "EngineConfig"
@@ -133,7 +138,7 @@ class EngineConfig:
             )
         _int(own, "spill_bytes", self.spill_bytes, 0)
         for key in ("enable_prefix_cache", "share_prefill", "checkpoint_prompt_end", "checkpoint_generation_end",
-                    "checkpoint_in_step", "recompute_on_weight_update", "cuda_graphs"):
+                    "checkpoint_in_step", "recompute_on_weight_update", "cuda_graphs", "cudnn_attention"):
             _bool(own, key, getattr(self, key))
         if self.compile is not None and not isinstance(self.compile, bool):
             raise EngineConfigError(f"{own}.compile must be a bool or None (None: on CUDA only), got {self.compile!r}")

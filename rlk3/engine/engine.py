@@ -245,7 +245,7 @@ class RolloutEngine:
             _warn_once("flash-linear-attention (fla-core, with triton) is not importable: the engine runs the torch "
                        "path on CUDA, eagerly (no CUDA graphs), several times slower")
         self.kernels = "cuda" if gpu_kernels else "torch"
-        return ModelRunner(model, self.layout, config.backend, compile=compile)
+        return ModelRunner(model, self.layout, config.backend, compile=compile, cudnn=config.cudnn_attention)
 
     # ------------------------------------------------------------------ requests
 

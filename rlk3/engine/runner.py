@@ -18,12 +18,14 @@ The single-token path makes no host synchronisation, so it can be captured in a 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from rlk3.engine.pool import PagedPool, PoolLayout
@@ -249,7 +251,8 @@ class ModelRunner:
     (docs/BENCHMARKS.md). Off (the engine's default on CPU, where compiling gains nothing measurable), everything
     runs eagerly with the model's own modules."""
 
-    def __init__(self, model, layout: PoolLayout, backend: str = "auto", compile: bool = False):
+    def __init__(self, model, layout: PoolLayout, backend: str = "auto", compile: bool = False,
+                 cudnn: bool = False):
         self.model = model
         self.config = model.config
         self.layers = model.model.layers
@@ -262,6 +265,7 @@ class ModelRunner:
         self.sync_ok = True  # False while a CUDA graph is being captured: no host synchronisation then
         self.kda_splits = True  # runs ForwardBatch.kda_split (KDA checkpoints inside a chunk)
         self.compiled = compile
+        self.cudnn = cudnn  # EngineConfig.cudnn_attention
         fns = (mix_norm, norm_only, feed_forward_dense, kda_input, kda_output, mla_input, mla_output)
         if compile:
             fns = tuple(torch.compile(f, dynamic=True) for f in fns)
@@ -442,13 +446,13 @@ class ModelRunner:
             rope = rope_pages[table].reshape(-1, rope_pages.shape[-1])[:S][None].to(h.dtype)
             qn, qr = q_nope[None, offset : offset + n], q_rope[None, offset : offset + n]
             if start == 0:  # a fresh prefill: plain causal attention, the same call the model makes
-                o = prefill_attention(qn, qr, lat, rope, w_uk, w_uv, attn.scale, causal=True)
+                o = prefill_attention(qn, qr, lat, rope, w_uk, w_uv, attn.scale, causal=True, cudnn=self.cudnn)
             elif n <= ABSORB_MAX_QUERY_LEN:  # a short extension: the absorbed form, as the model does
                 q_pos = torch.arange(start, S, device=h.device)
                 mask = (torch.arange(S, device=h.device)[None, :] <= q_pos[:, None])[None]
                 o = mla_attention(qn, qr, lat, rope, w_uk, w_uv, attn.scale, mask, absorbed=True)
             else:  # a long extension of a cached prefix (the next turn of an episode)
-                o = prefill_attention(qn, qr, lat, rope, w_uk, w_uv, attn.scale, prefix=start)
+                o = prefill_attention(qn, qr, lat, rope, w_uk, w_uv, attn.scale, prefix=start, cudnn=self.cudnn)
             outs.append(o[0])
             offset, j = offset + n, j + 1
         return torch.cat(outs) if len(outs) > 1 else outs[0]
@@ -477,19 +481,38 @@ class ModelRunner:
         return layer.mlp(h)
 
 
+# cuDNN's fused attention builds an execution plan for every new shape (on an H200, 40-100 ms for a causal call,
+# ~1.1 s with a boolean mask), and PyTorch's SDPA picks it for half-precision causal and masked calls there. An RL
+# engine sees new lengths every step, so unpadded calls never go to cuDNN (NO_CUDNN: FlashAttention-2, or the
+# memory-efficient kernel for masks). ``EngineConfig.cudnn_attention`` opts in to cuDNN for causal calls padded to a
+# few shapes: each length to the next multiple of 1/16-1/32 of its magnitude (at least CUDNN_MIN_QUANTUM), under
+# 6.25% more work. Below CUDNN_MIN_QUERIES new tokens an extension keeps FlashAttention-2, which splits the keys
+# across the GPU where cuDNN leaves most of it idle (4x slower for 128 queries over 20K keys). docs/BENCHMARKS.md has
+# the measurements, and why it is not the default.
+CUDNN_MIN_QUANTUM = 128
+CUDNN_MIN_QUERIES = 512
+NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def attention_bucket(n: int) -> int:
+    """The padded length of ``n`` rows in a cuDNN attention call."""
+    q = max(CUDNN_MIN_QUANTUM, 1 << max(0, (n - 1).bit_length() - 5))
+    return -(-n // q) * q
+
+
 def prefill_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale, mask=None, causal=False,
-                      prefix: int = 0) -> torch.Tensor:
+                      prefix: int = 0, cudnn: bool = False) -> torch.Tensor:
     """``mla_attention(..., absorbed=False)`` (decompress K/V, then SDPA) with the value heads zero-padded to the
     query/key head dim (or the reverse): PyTorch's fused CPU attention kernel needs one head dim for q, k and v and
     otherwise falls back to a path that materialises every score (3-5x slower at long context). Zero columns change
     nothing: padded query/key dims add 0 to every score, padded value dims are sliced off. ``[B, T, H, v]``.
 
     ``prefix`` > 0: the queries are the last ``T`` of ``S = prefix + T`` positions and attend causally (a cached
-    prefix and its extension). On CPU that runs as two fused calls merged by their log-sum-exps (``_prefix_causal``)
-    instead of one call with a ``[T, S]`` mask. On CUDA it is one call with PyTorch's lower-right causal bias, which
-    the fused kernels apply without a mask tensor: 1.10-1.27x faster than the boolean ``[T, S]`` mask at k3-small's
-    heads on the H200 (0.49 vs 0.59 ms at T = 2,112, S = 10,304; 1.51 vs 1.92 ms at 8,192 over 16,384), which in turn
-    measured as fast as the merge of two flash calls. (On CPU the bias costs 2x the merge: it builds the mask.)"""
+    prefix and its extension). On CPU that runs as two fused flash calls merged by their log-sum-exps
+    (``_prefix_causal``: a ``[T, S]`` mask would send it to a slower path). On CUDA it is one call with PyTorch's
+    lower-right causal bias, which the fused kernels (FlashAttention-2) apply without a mask tensor: 1.10-1.27x
+    faster than a boolean ``[T, S]`` mask. ``cudnn`` (CUDA, half precision): causal calls go to cuDNN at padded
+    shapes instead (``_cudnn_causal``); otherwise CUDA calls never reach cuDNN (NO_CUDNN, above)."""
     H = q_nope.shape[2]
     k_nope = torch.einsum("bsl,hdl->bhsd", latent, w_uk.to(latent.dtype))
     v = torch.einsum("bsl,hdl->bhsd", latent, w_uv.to(latent.dtype))
@@ -500,15 +523,68 @@ def prefill_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale, mask=No
         v = F.pad(v, (0, qk_dim - v_dim))
     elif qk_dim < v_dim:
         q, k = F.pad(q, (0, v_dim - qk_dim)), F.pad(k, (0, v_dim - qk_dim))
-    if prefix and q.device.type == "cpu":
+    if cudnn and mask is None and (causal or prefix) and _cudnn_takes(q, qk_dim, prefix):
+        o = _cudnn_causal(q, k, v, prefix, scale, qk_dim)
+    elif prefix and q.device.type == "cpu":
         o = _prefix_causal(q, k, v, prefix, scale)
-    elif prefix:
+    elif prefix:  # the bias never dispatches to cuDNN
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]), scale=scale)
     else:
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=None if mask is None else mask[:, None], is_causal=causal, scale=scale
-        )
+        with sdpa_kernel(NO_CUDNN) if q.is_cuda else contextlib.nullcontext():
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=None if mask is None else mask[:, None], is_causal=causal, scale=scale
+            )
     return o[..., :v_dim].transpose(1, 2)
+
+
+_CUDNN = {"ok": True}  # False once cuDNN's attention has refused a call (an older GPU): SDPA's other kernels then
+
+
+def _cudnn_takes(q: torch.Tensor, qk_dim: int, prefix: int) -> bool:
+    """Whether ``_cudnn_causal`` runs this call: CUDA, half precision, cuDNN's attention usable; an extension needs
+    ``CUDNN_MIN_QUERIES`` queries, and a spare query/key column to mask its padded prefix keys unless the prefix
+    needs no padding."""
+    if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _CUDNN["ok"]):
+        return False
+    if not prefix:
+        return True
+    return q.shape[2] >= CUDNN_MIN_QUERIES and (qk_dim < q.shape[-1] or attention_bucket(prefix) == prefix)
+
+
+def _cudnn_causal(q, k, v, prefix: int, scale: float, qk_dim: int) -> torch.Tensor:
+    """Causal attention of ``q [B, H, T, D]``, the last ``T`` of ``prefix + T`` positions, through cuDNN at padded
+    shapes (``attention_bucket``). The new rows (queries, and their own keys and values) are zero-padded at the end:
+    causally no real query sees a later row, so the padding changes nothing real. The prefix's keys attend unmasked
+    in a second call, merged by log-sum-exp; its padded keys are masked through column ``qk_dim`` (zero in every
+    real query and key: the head dim's own padding): 1 in every query, a huge negative number in the padded keys
+    only, so their scores vanish in the softmax. Falls back to the other kernels for good if cuDNN refuses."""
+    T, P = q.shape[2], prefix
+    Tb = attention_bucket(T)
+
+    def rows(x, n):
+        return F.pad(x, (0, 0, 0, n - x.shape[2])) if n > x.shape[2] else x
+
+    try:
+        qb = rows(q, Tb)
+        o, lse = _attend_lse(qb, rows(k[:, :, P:], Tb), rows(v[:, :, P:], Tb), True, scale, lse=bool(P))
+        if not P:
+            return o[:, :, :T]
+        Pb = attention_bucket(P)
+        kp, vp = k[:, :, :P], v[:, :, :P]
+        if Pb > P:
+            kp, vp, qb = rows(kp, Pb), rows(vp, Pb), qb.clone()
+            kp[:, :, P:, qk_dim] = torch.finfo(q.dtype).min / 4
+            qb[..., qk_dim] = 1
+        o1, lse1 = _attend_lse(qb, kp, vp, False, scale)
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError:  # no cuDNN attention for this device or build
+        _CUDNN["ok"] = False
+        if P:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, k.shape[2]), scale=scale)
+        with sdpa_kernel(NO_CUDNN):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return _merge(o1, lse1, o, lse)[:, :, :T]
 
 
 def _prefix_causal(q, k, v, prefix: int, scale: float) -> torch.Tensor:
@@ -516,12 +592,28 @@ def _prefix_causal(q, k, v, prefix: int, scale: float) -> torch.Tensor:
     prefix (no mask) and the new keys causally (a square ``is_causal``), each one call of the fused flash kernel,
     merged exactly through their log-sum-exps. One call with a boolean ``[T, S]`` mask costs 1.5x the time at
     T = 2K, S = 20K (0.62 vs 0.42 s per layer at k3-tiny's head dims, one thread): an episode's next turn."""
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    o1, lse1 = flash(q, k[:, :, :prefix], v[:, :, :prefix], scale=scale)[:2]
-    o2, lse2 = flash(q, k[:, :, prefix:], v[:, :, prefix:], is_causal=True, scale=scale)[:2]
+    o1, lse1 = _attend_lse(q, k[:, :, :prefix], v[:, :, :prefix], False, scale)
+    o2, lse2 = _attend_lse(q, k[:, :, prefix:], v[:, :, prefix:], True, scale)
+    return _merge(o1, lse1, o2, lse2)
+
+
+def _merge(o1, lse1, o2, lse2) -> torch.Tensor:
+    """Two attentions of the same queries over disjoint keys, merged exactly by their log-sum-exps."""
     m = torch.maximum(lse1, lse2)
     w1, w2 = (lse1 - m).exp(), (lse2 - m).exp()
-    return ((o1 * w1[..., None] + o2 * w2[..., None]) / (w1 + w2)[..., None]).to(q.dtype)
+    return ((o1 * w1[..., None] + o2 * w2[..., None]) / (w1 + w2)[..., None]).to(o1.dtype)
+
+
+def _attend_lse(q, k, v, causal: bool, scale: float, lse: bool = True):
+    """One fused attention call ``[B, H, T, D]`` and its log-sum-exps ``[B, H, T]`` (fp32; None unless ``lse``):
+    PyTorch's flash kernel on CPU, cuDNN's on CUDA (half precision)."""
+    if q.device.type == "cpu":
+        o, out_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=causal,
+                                                                                scale=scale)
+    else:
+        o, out_lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, lse, is_causal=causal,
+                                                                        scale=scale)[:2]
+    return o, (out_lse.reshape(q.shape[:3]).float() if lse else None)
 
 
 def latent_moe(moe: StableLatentMoE, x: torch.Tensor, experts_fn) -> torch.Tensor:

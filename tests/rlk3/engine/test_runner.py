@@ -177,6 +177,71 @@ def test_prefill_attention_equals_mla_attention(qk, v, device):
     assert got.dtype == torch.bfloat16 and rel_err(got.float(), ref) <= 2e-2
 
 
+def test_attention_buckets_are_few_and_tight():
+    """cuDNN builds a plan per shape, so its calls are padded: never shorter, multiples of the minimum quantum, under
+    6.25% padding past 2K rows, and few distinct shapes (48 up to 8K rows)."""
+    from rlk3.engine.runner import CUDNN_MIN_QUANTUM, attention_bucket
+
+    sizes = range(1, 8193)
+    buckets = [attention_bucket(n) for n in sizes]
+    assert all(b >= n and b % CUDNN_MIN_QUANTUM == 0 for n, b in zip(sizes, buckets))
+    assert all((b - n) / n < 1 / 16 for n, b in zip(sizes, buckets) if n > 2048)
+    assert len(set(buckets)) == 48 and attention_bucket(2049) == 2176 and attention_bucket(4096) == 4096
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("T,P", [(40, 0), (600, 0), (40, 100), (600, 4400), (600, 4608), (1030, 3000)])
+def test_padded_causal_attention_equals_the_masked_one(T, P, device):
+    """``_cudnn_causal``: rows padded to ``attention_bucket`` at the end, the prefix's padded keys masked through a
+    spare head-dim column, the prefix and the new keys merged by log-sum-exp. On CPU its two calls are PyTorch's
+    flash kernel (fp32: the padding and masking exactly as on CUDA, 1e-5); on CUDA (gpu) cuDNN's in bf16, against the
+    fp32 reference within bf16 rounding."""
+    from rlk3.engine.runner import _cudnn_causal
+
+    H, D, qk = 4, 64, 48  # the query/key columns past 48 are the head dim's zero padding
+    g = torch.Generator().manual_seed(T + P)
+    q, k, v = torch.randn(1, H, T, D, generator=g), torch.randn(1, H, P + T, D, generator=g), \
+        torch.randn(1, H, P + T, D, generator=g)
+    q[..., qk:], k[..., qk:] = 0, 0
+    mask = torch.arange(P + T)[None, :] <= (P + torch.arange(T))[:, None]
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    got = _cudnn_causal(*(x.to(device, dtype) for x in (q, k, v)), P, 0.125, qk)
+    assert got.shape == (1, H, T, D) and got.dtype == dtype
+    assert rel_err(got.float().cpu(), ref) <= (1e-5 if device == "cpu" else 2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_prefill_attention_takes_cudnn_only_when_asked_for_long_causal_calls_in_bf16():
+    """The routing: with ``cudnn`` (``EngineConfig.cudnn_attention``) a fresh causal prompt and a long extension in
+    bf16 go through ``_cudnn_causal``, a short extension (under CUDNN_MIN_QUERIES) keeps the bias; without it none
+    does. Every output equals the fp32 model attention within bf16 rounding."""
+    import rlk3.engine.runner as runner
+    from rlk3.model.ops.mla import mla_attention
+
+    calls = []
+    real = runner._cudnn_causal
+    runner._cudnn_causal = lambda *a: calls.append(a[3]) or real(*a)
+    try:
+        H, rope, qk, v, L = 8, 32, 96, 128, 64
+        g = torch.Generator().manual_seed(0)
+        for cudnn in (True, False):
+            for T, P in ((700, 0), (700, 3000), (100, 3000)):
+                r = lambda *shape: torch.randn(*shape, generator=g).cuda()  # noqa: E731
+                q_nope, q_rope = r(1, T, H, qk - rope), r(1, T, H, rope)
+                latent, k_rope = r(1, P + T, L), r(1, P + T, rope)
+                w_uk, w_uv = r(H, qk - rope, L) * 0.2, r(H, v, L) * 0.2
+                mask = (torch.arange(P + T)[None, :] <= (P + torch.arange(T))[:, None])[None].cuda()
+                ref = mla_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, 0.1, mask)
+                bf = [t.bfloat16() for t in (q_nope, q_rope, latent, k_rope)]
+                got = runner.prefill_attention(*bf, w_uk, w_uv, 0.1, causal=not P, prefix=P, cudnn=cudnn)
+                assert got.dtype == torch.bfloat16 and rel_err(got.float(), ref) <= 2e-2, (cudnn, T, P)
+    finally:
+        runner._cudnn_causal = real
+    assert calls == [0, 3000] and runner._CUDNN["ok"]
+
+
 @pytest.mark.slow  # ~40 s: inductor compiles the blocks for the CPU
 def test_compiled_blocks_generate_what_the_eager_blocks_generate(tiny):
     """``EngineConfig.compile`` (the CUDA default, opt-in on CPU): the per-token blocks through ``torch.compile``
