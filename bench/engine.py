@@ -233,41 +233,45 @@ def prefill_between(before, after) -> dict:
                 prefill_seconds=after.prefill_seconds - before.prefill_seconds - capture, capture_seconds=capture)
 
 
-def conversation(engine, vocab: int, turns: int, turn_tokens: int, gen_tokens: int, device, seed: int) -> dict:
-    """An agent loop that re-sends the whole conversation each turn (``generate``), per turn and in all."""
+def conversation(engine, vocab: int, turns: int, turn_tokens: int, gen_tokens: int, device, seed: int,
+                 width: int = 1) -> dict:
+    """An agent loop that re-sends the whole conversation each turn (``generate``), per turn and in all; ``width``
+    conversations side by side (one ``generate`` of all of them per turn, as an RL rollout's episodes run)."""
     g = torch.Generator().manual_seed(seed)
-    conv, per_turn, first = [], [], engine.stats()
+    convs, per_turn, first = [[] for _ in range(width)], [], engine.stats()
     for turn in range(turns):
-        conv = conv + torch.randint(1, vocab, (turn_tokens,), generator=g).tolist()
+        convs = [c + torch.randint(1, vocab, (turn_tokens,), generator=g).tolist() for c in convs]
         before, cpu = engine.stats(), time.process_time()
-        res = engine.generate([conv], SamplingParams(max_tokens=gen_tokens, temperature=0))[0]
+        res = engine.generate(convs, SamplingParams(max_tokens=gen_tokens, temperature=0))
         sync(device)
-        per_turn.append(dict(turn=turn + 1, context=len(conv), cached=res.num_cached_tokens,
+        per_turn.append(dict(turn=turn + 1, context=sum(map(len, convs)), cached=sum(r.num_cached_tokens for r in res),
                              **prefill_between(before, engine.stats()), turn_cpu_seconds=time.process_time() - cpu))
-        conv = conv + res.token_ids
+        convs = [c + r.token_ids for c, r in zip(convs, res)]
     return dict(split_checkpoints=engine.stats().split_checkpoints - first.split_checkpoints,
                 **{k: sum(t[k] for t in per_turn) for k in ("prefill_tokens", "prefill_seconds", "capture_seconds")},
                 cpu_seconds=sum(t["turn_cpu_seconds"] for t in per_turn), turns=per_turn)
 
 
-def extended(engine, vocab: int, turns: int, turn_tokens: int, gen_tokens: int, device, seed: int) -> dict:
-    """The same conversation as one request continued with ``extend()``: nothing is recomputed."""
+def extended(engine, vocab: int, turns: int, turn_tokens: int, gen_tokens: int, device, seed: int,
+             width: int = 1) -> dict:
+    """The same conversations, each one request continued with ``extend()``: nothing is recomputed."""
     g = torch.Generator().manual_seed(seed)
     before, cpu = engine.stats(), time.process_time()
-    rid = engine.add_request(torch.randint(1, vocab, (turn_tokens,), generator=g).tolist(),
-                             SamplingParams(max_tokens=gen_tokens, temperature=0))
+    rids = [engine.add_request(torch.randint(1, vocab, (turn_tokens,), generator=g).tolist(),
+                               SamplingParams(max_tokens=gen_tokens, temperature=0)) for _ in range(width)]
     for turn in range(turns):
         while engine.has_unfinished():
             engine.step()
         if turn + 1 < turns:
-            engine.extend(rid, torch.randint(1, vocab, (turn_tokens,), generator=g).tolist())
-    engine.release([rid])
+            for rid in rids:
+                engine.extend(rid, torch.randint(1, vocab, (turn_tokens,), generator=g).tolist())
+    engine.release(rids)
     sync(device)
     return dict(**prefill_between(before, engine.stats()), cpu_seconds=time.process_time() - cpu)
 
 
 def multi_turn(model, device, turns: int, turn_tokens: int, gen_tokens: int, cfg: EngineConfig, reps: int,
-               warmup: int) -> dict:
+               warmup: int, width: int = 1) -> dict:
     """The multi-turn benchmark: one engine per variant (prefix cache on, off, and ``extend`` for reference) runs
     ``warmup`` untimed conversations, then ``reps`` timed ones; each variant keeps its fastest run (as the decode rows
     keep their best), and the ratio of each run pair is kept beside it (``run_time_ratios``) to show the spread.
@@ -285,13 +289,14 @@ def multi_turn(model, device, turns: int, turn_tokens: int, gen_tokens: int, cfg
         engine = RolloutEngine(model, EngineConfig(**{**cfg.__dict__, "enable_prefix_cache": name != "no_cache"}))
         run = extended if name == "extend" else conversation
         for seed in range(1000, 1000 + warmup):
-            run(engine, vocab, turns, turn_tokens, gen_tokens, device, seed)
-        runs[name] = [run(engine, vocab, turns, turn_tokens, gen_tokens, device, 3 + r) for r in range(reps)]
+            run(engine, vocab, turns, turn_tokens, gen_tokens, device, seed, width)
+        runs[name] = [run(engine, vocab, turns, turn_tokens, gen_tokens, device, 3 + r, width) for r in range(reps)]
         del engine
     best = {name: min(rs, key=lambda m: m["prefill_seconds"]) for name, rs in runs.items()}
     best["run_time_ratios"] = [n["prefill_seconds"] / p["prefill_seconds"]
                                for n, p in zip(runs["no_cache"], runs["prefix_cache"])]
     best["warmup_conversations"] = warmup
+    best["conversations"] = width
     best["time_ratio"] = best["no_cache"]["prefill_seconds"] / best["prefix_cache"]["prefill_seconds"]
     best["cpu_time_ratio"] = best["no_cache"]["cpu_seconds"] / best["prefix_cache"]["cpu_seconds"]
     best["token_ratio"] = best["no_cache"]["prefill_tokens"] / best["prefix_cache"]["prefill_tokens"]
@@ -307,14 +312,20 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--turn-tokens", type=int, default=2048)
-    ap.add_argument("--skip", choices=["decode", "multi-turn", "rl-groups", "graphs-off"], action="append", default=[],
-                    help="graphs-off: the multi-turn run without prefill graphs that CUDA adds for their effect")
+    ap.add_argument("--conversations", type=int, default=1,
+                    help="multi-turn: this many conversations side by side (each turn one generate() of all of them)")
+    ap.add_argument("--skip", choices=["decode", "multi-turn", "rl-groups", "graphs-off", "in-step-off"],
+                    action="append", default=[],
+                    help="graphs-off / in-step-off: the multi-turn runs without prefill graphs (CUDA) / without "
+                    "checkpoints inside a step, added for their effect")
     ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                     help="EngineConfig.compile: auto = on CUDA only")
     ap.add_argument("--prefill-graphs", choices=["auto", "on", "off"], default="auto",
                     help="EngineConfig.prefill_graphs: auto = on where decode steps replay CUDA graphs")
     ap.add_argument("--checkpoint-in-step", choices=["on", "off"], default="on",
                     help="EngineConfig.checkpoint_in_step (on: also a multi-turn run with it off, for its effect)")
+    ap.add_argument("--cudnn-attention", choices=["on", "off"], default="off",
+                    help="EngineConfig.cudnn_attention: causal prefill attention through cuDNN at padded shapes")
     ap.add_argument("--step-tokens", type=int, default=None,
                     help="EngineConfig.max_tokens_per_step (default: the engine's on CUDA (8192), 512 on CPU)")
     ap.add_argument("--out", type=Path, default=None)
@@ -330,7 +341,8 @@ def main() -> None:
                        prefill_chunk=512 if cuda else 256,
                        compile={"auto": None, "on": True, "off": False}[args.compile],
                        prefill_graphs={"auto": None, "on": True, "off": False}[args.prefill_graphs],
-                       checkpoint_in_step=args.checkpoint_in_step == "on")
+                       checkpoint_in_step=args.checkpoint_in_step == "on",
+                       cudnn_attention=args.cudnn_attention == "on")
     result = dict(device=str(device), gpu=torch.cuda.get_device_name(device) if cuda else None, preset=preset,
                   dtype=str(dtype), threads=args.threads, torch=torch.__version__,
                   load_average=os.getloadavg(), config={k: v for k, v in cfg.__dict__.items()})
@@ -364,19 +376,20 @@ def main() -> None:
 
     if "multi-turn" not in args.skip:
         warmup = 1 if cuda else 0  # CUDA: Triton's compilation and autotuning, the prefill graphs' captures
-        mt = multi_turn(model, device, args.turns, args.turn_tokens, 16, cfg, args.reps, warmup)
+        mt = multi_turn(model, device, args.turns, args.turn_tokens, 16, cfg, args.reps, warmup, args.conversations)
         result["multi_turn"] = mt
         # the same run without the prefill graphs, for their effect
         if cuda and cfg.prefill_graphs is not False and "graphs-off" not in args.skip:
             off = dataclasses.replace(cfg, prefill_graphs=False)
             result["multi_turn_prefill_graphs_off"] = multi_turn(model, device, args.turns, args.turn_tokens, 16, off,
-                                                                 1, warmup)
-        if cfg.checkpoint_in_step:  # the same run ending each chunk at its checkpoint boundary, for the effect
+                                                                 1, warmup, args.conversations)
+        # the same run ending each chunk at its checkpoint boundary, for the effect
+        if cfg.checkpoint_in_step and "in-step-off" not in args.skip:
             off = dataclasses.replace(cfg, checkpoint_in_step=False)
             result["multi_turn_in_step_off"] = multi_turn(model, device, args.turns, args.turn_tokens, 16, off,
-                                                          args.reps, warmup)
-        print(f"\nmulti-turn: {args.turns} turns of +{args.turn_tokens} tokens (16 generated per turn), "
-              "whole conversation re-sent each turn")
+                                                          args.reps, warmup, args.conversations)
+        print(f"\nmulti-turn: {args.conversations} conversation(s) side by side, {args.turns} turns of "
+              f"+{args.turn_tokens} tokens each (16 generated per turn), whole conversations re-sent each turn")
         print("| | prefill tokens | prefill seconds (wall) | graph capture seconds (not counted) "
               f"| process CPU seconds (all {args.turns} turns) |")
         print("|---|---:|---:|---:|---:|")
