@@ -38,13 +38,20 @@ def full_forward_logprobs(model, ids: list[int], generated: list[int], temperatu
 
 
 @torch.no_grad()
-def assert_greedy_matches_full_forward(model, ids: list[int], generated: list[int], tol: float = 1e-5) -> None:
-    """Every generated token is the argmax of the full forward's logits at its position, and its logprob equals
-    the full forward's log-softmax there."""
+def assert_greedy_matches_full_forward(model, ids: list[int], generated: list[int], logprobs: list[float] | None = None,
+                                       tol: float = 1e-5) -> list[float]:
+    """Every generated token is the argmax of the full forward's logits at its position, and (when the engine's
+    ``logprobs`` are given) its logprob equals the full forward's log-softmax there within ``tol``. Returns the full
+    forward's logprobs."""
     logits = model(torch.tensor([ids + generated]), use_cache=False).logits[0].float()
     rows = logits[len(ids) - 1 : len(ids) - 1 + len(generated)]
     assert rows.argmax(-1).tolist() == generated
-    return torch.log_softmax(rows, -1).gather(1, torch.tensor(generated)[:, None])[:, 0].tolist()
+    ref = torch.log_softmax(rows, -1).gather(1, torch.tensor(generated)[:, None])[:, 0].tolist()
+    if logprobs is not None:
+        assert len(logprobs) == len(ref)
+        worst = max((abs(a - b) for a, b in zip(logprobs, ref)), default=0.0)
+        assert worst <= tol, f"engine logprobs differ from the full forward's by up to {worst:.3g} (tolerance {tol})"
+    return ref
 
 
 def mixed_workload(engine, sampled: bool = False, new_weights: dict | None = None) -> list:

@@ -61,7 +61,7 @@ def test_preemption_under_memory_pressure_recomputes_and_gives_the_same_tokens(t
     for p, i in zip(prompts, ids):
         res = engine.result(i)
         assert len(res.token_ids) == 40
-        assert_greedy_matches_full_forward(tiny, p, res.token_ids)
+        assert_greedy_matches_full_forward(tiny, p, res.token_ids, res.logprobs)
     engine.release(ids)
     assert engine.stats().pool.free_pages == engine.stats().pool.total_pages
 
@@ -85,7 +85,7 @@ def test_paused_caches_are_dropped_only_as_a_last_resort_and_recomputed(tiny):
     engine.resume(ra)
     while engine.requests[ra].status != RequestStatus.FINISHED:
         engine.step()
-    assert_greedy_matches_full_forward(tiny, a, engine.result(ra).token_ids)
+    assert_greedy_matches_full_forward(tiny, a, engine.result(ra).token_ids, engine.result(ra).logprobs)
 
 
 def test_a_request_larger_than_the_pool_is_refused_with_sizes(tiny):

@@ -50,8 +50,7 @@ def test_a_group_of_one_prompt_computes_it_once(tiny, length):
     members = [r for p, r in zip(prompts, res) if p is group]
     assert sorted(r.num_cached_tokens for r in members) == [0] + [length - 1] * 7
     for p, r in zip(prompts, res):
-        logprobs = assert_greedy_matches_full_forward(tiny, p, r.token_ids)
-        assert max(abs(a - b) for a, b in zip(logprobs, r.logprobs)) <= 1e-5
+        assert_greedy_matches_full_forward(tiny, p, r.token_ids, r.logprobs)
     alone = _engine(tiny, share=False)
     ref = _run(alone, prompts, GREEDY)
     assert alone.stats().shared_prefill_tokens == 0
@@ -92,7 +91,7 @@ def test_followers_of_a_leader_that_stops_before_the_fork_are_admitted_as_usual(
     assert engine.stats().shared_prefill_tokens == 2 * (len(group) - 1)
     outs = [engine.result(f) for f in followers]
     for r in outs:
-        assert_greedy_matches_full_forward(tiny, group, r.token_ids)
+        assert_greedy_matches_full_forward(tiny, group, r.token_ids, r.logprobs)
     if what == "pause":
         engine.resume(lead)
         while engine.has_unfinished():
@@ -123,7 +122,7 @@ def test_a_weight_update_before_the_fork_leaves_followers_to_compute_under_the_n
         # the leader's cache is from version 0: nobody copies it; the first follower leads the second instead
         assert engine.stats().shared_prefill_tokens == len(group) - 1
         for f in followers:
-            assert_greedy_matches_full_forward(tiny, group, engine.result(f).token_ids)
+            assert_greedy_matches_full_forward(tiny, group, engine.result(f).token_ids, engine.result(f).logprobs)
             assert engine.result(f).versions == [1] * GREEDY.max_tokens
     finally:
         with torch.no_grad():

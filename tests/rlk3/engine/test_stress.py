@@ -36,7 +36,7 @@ def test_randomized_stress_of_500_requests(tiny, prefill_graphs):
     def check(res):
         nonlocal checked
         if res.request_id in greedy and res.finish_reason != FinishReason.ABORT and res.token_ids:
-            assert_greedy_matches_full_forward(tiny, res.prompt_token_ids, res.token_ids)
+            assert_greedy_matches_full_forward(tiny, res.prompt_token_ids, res.token_ids, res.logprobs)
             checked += 1
 
     while added < 500 or engine.requests:

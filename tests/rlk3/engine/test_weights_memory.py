@@ -51,7 +51,8 @@ def test_update_weights_changes_outputs_invalidates_cache_and_tags_versions(tiny
     assert after.num_cached_tokens == 0  # ... and holds nothing from the old weights after it
     assert after.versions == [1] * 8
     assert after.token_ids != again.token_ids
-    assert_greedy_matches_full_forward(new, [*p, 5], after.token_ids)  # the new weights' own greedy output
+    # the new weights' own greedy output and logprobs
+    assert_greedy_matches_full_forward(new, [*p, 5], after.token_ids, after.logprobs)
     assert before.versions == [0] * 8
 
     # a partial update streamed as (name, tensor) pairs: only the LM head changes
@@ -60,7 +61,7 @@ def test_update_weights_changes_outputs_invalidates_cache_and_tags_versions(tiny
     assert torch.equal(model.lm_head.weight, head)
     res = engine.generate([p], GREEDY)[0]
     new.lm_head.weight.data.copy_(head)
-    assert_greedy_matches_full_forward(new, p, res.token_ids)
+    assert_greedy_matches_full_forward(new, p, res.token_ids, res.logprobs)
     assert res.versions == [2] * 8
 
 
@@ -79,7 +80,7 @@ def test_paused_requests_keep_their_cache_by_default_or_recompute_when_asked(tin
         res = _finish(engine, rid)
         assert res.versions == [0] * 5 + [1] * 7
         if recompute:  # recomputed under the new weights: exactly what they give from that prefix
-            assert_greedy_matches_full_forward(new, p + res.token_ids[:5], res.token_ids[5:])
+            assert_greedy_matches_full_forward(new, p + res.token_ids[:5], res.token_ids[5:], res.logprobs[5:])
             assert engine.stats().dropped_caches == 1
 
 
