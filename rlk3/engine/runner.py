@@ -500,12 +500,37 @@ def attention_bucket(n: int) -> int:
     return -(-n // q) * q
 
 
+def decompress_kv(latent: torch.Tensor, k_rope: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor):
+    """Cached MLA entries decompressed straight into SDPA's padded heads: keys ``[B, H, S, D]`` =
+    ``[W_UK_h·latent ; k_rope ; 0]``, values ``[W_UV_h·latent ; 0]``, D = max(nope + rope, v). Each per-head matmul
+    writes its columns of the padded tensor in place (``bmm`` into a strided view: BLAS takes the row stride as its
+    leading dimension, and the latent is broadcast over the heads with a zero batch stride, not copied), the rope
+    slice and the padding are filled around it. The decompress-concatenate-pad sequence it replaces kept three
+    intermediates of a long prefix's size alive; this allocates only the keys and values (0.60 of the peak memory,
+    docs/BENCHMARKS.md, ``bench/prefill_kv.py``)."""
+    (B, S, L), (H, nope, _), R, v_dim = latent.shape, w_uk.shape, k_rope.shape[-1], w_uv.shape[1]
+    D = max(nope + R, v_dim)
+    k, v = latent.new_empty(B, H, S, D), latent.new_empty(B, H, S, D)
+    w_k, w_v = w_uk.to(latent.dtype).transpose(1, 2), w_uv.to(latent.dtype).transpose(1, 2)
+    for b in range(B):
+        lat = latent[b].expand(H, S, L)
+        torch.bmm(lat, w_k, out=k[b, :, :, :nope])
+        torch.bmm(lat, w_v, out=v[b, :, :, :v_dim])
+    k[..., nope : nope + R] = k_rope[:, None]
+    if nope + R < D:
+        k[..., nope + R :] = 0
+    if v_dim < D:
+        v[..., v_dim:] = 0
+    return k, v
+
+
 def prefill_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale, mask=None, causal=False,
                       prefix: int = 0, cudnn: bool = False) -> torch.Tensor:
     """``mla_attention(..., absorbed=False)`` (decompress K/V, then SDPA) with the value heads zero-padded to the
     query/key head dim (or the reverse): PyTorch's fused CPU attention kernel needs one head dim for q, k and v and
     otherwise falls back to a path that materialises every score (3-5x slower at long context). Zero columns change
-    nothing: padded query/key dims add 0 to every score, padded value dims are sliced off. ``[B, T, H, v]``.
+    nothing: padded query/key dims add 0 to every score, padded value dims are sliced off (``decompress_kv``).
+    ``[B, T, H, v]``.
 
     ``prefix`` > 0: the queries are the last ``T`` of ``S = prefix + T`` positions and attend causally (a cached
     prefix and its extension). On CPU that runs as two fused flash calls merged by their log-sum-exps
@@ -513,16 +538,10 @@ def prefill_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale, mask=No
     lower-right causal bias, which the fused kernels (FlashAttention-2) apply without a mask tensor: 1.10-1.27x
     faster than a boolean ``[T, S]`` mask. ``cudnn`` (CUDA, half precision): causal calls go to cuDNN at padded
     shapes instead (``_cudnn_causal``); otherwise CUDA calls never reach cuDNN (NO_CUDNN, above)."""
-    H = q_nope.shape[2]
-    k_nope = torch.einsum("bsl,hdl->bhsd", latent, w_uk.to(latent.dtype))
-    v = torch.einsum("bsl,hdl->bhsd", latent, w_uv.to(latent.dtype))
-    k = torch.cat([k_nope, k_rope[:, None].expand(-1, H, -1, -1)], dim=-1)
-    q = torch.cat([q_nope, q_rope], dim=-1).transpose(1, 2)
-    qk_dim, v_dim = q.shape[-1], v.shape[-1]
-    if v_dim < qk_dim:
-        v = F.pad(v, (0, qk_dim - v_dim))
-    elif qk_dim < v_dim:
-        q, k = F.pad(q, (0, v_dim - qk_dim)), F.pad(k, (0, v_dim - qk_dim))
+    k, v = decompress_kv(latent, k_rope, w_uk, w_uv)
+    D, qk_dim, v_dim = k.shape[-1], q_nope.shape[-1] + q_rope.shape[-1], w_uv.shape[1]
+    q = torch.cat([q_nope, q_rope], dim=-1)
+    q = (F.pad(q, (0, D - qk_dim)) if qk_dim < D else q).transpose(1, 2)
     if cudnn and mask is None and (causal or prefix) and _cudnn_takes(q, qk_dim, prefix):
         o = _cudnn_causal(q, k, v, prefix, scale, qk_dim)
     elif prefix and q.device.type == "cpu":

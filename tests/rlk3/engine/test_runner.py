@@ -71,7 +71,7 @@ def test_packed_multi_sequence_prefill_equals_one_at_a_time(tiny, monkeypatch):
         assert a.token_ids == b.token_ids == c.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, c.logprobs)) <= 1e-5
         assert max(abs(x - y) for x, y in zip(b.logprobs, c.logprobs)) <= 1e-5
-        assert_greedy_matches_full_forward(tiny, p, a.token_ids)
+        assert_greedy_matches_full_forward(tiny, p, a.token_ids, a.logprobs)
 
 
 def test_cpu_packs_a_whole_step_or_none(tiny, monkeypatch):
@@ -175,6 +175,29 @@ def test_prefill_attention_equals_mla_attention(qk, v, device):
     bf = [t.bfloat16() for t in (q_nope, q_rope, latent, k_rope)]  # the merge keeps the input dtype
     got = prefill_attention(*bf, w_uk, w_uv, 0.1, prefix=S - T)
     assert got.dtype == torch.bfloat16 and rel_err(got.float(), ref) <= 2e-2
+
+
+@pytest.mark.parametrize("B", [1, 2])
+@pytest.mark.parametrize("qk,v", [(48, 32), (96, 128), (64, 48)])
+def test_decompress_kv_writes_the_padded_heads(qk, v, B):
+    """``decompress_kv`` gives every head ``[W_UK_h c ; k_rope ; 0]`` and ``[W_UV_h c ; 0]``, written in place into
+    strided views of the padded tensors: the decompressed part as the model's einsum computes it, the shared rope
+    slice bit for bit, the padding exactly zero (the buffers start uninitialised, so a missed fill would show)."""
+    from rlk3.engine.runner import decompress_kv
+
+    rope, H, S, L = 16, 4, 70, 24
+    g = torch.Generator().manual_seed(qk + v + B)
+    latent, k_rope = torch.randn(B, S, L, generator=g), torch.randn(B, S, rope, generator=g)
+    w_uk, w_uv = torch.randn(H, qk - rope, L, generator=g), torch.randn(H, v, L, generator=g)
+    D = max(qk, v)
+    for _ in range(2):  # the second call reuses freed memory that holds the first call's values
+        k, vals = decompress_kv(latent, k_rope, w_uk, w_uv)
+        assert k.shape == vals.shape == (B, H, S, D) and k.is_contiguous() and vals.is_contiguous()
+        assert rel_err(k[..., : qk - rope], torch.einsum("bsl,hdl->bhsd", latent, w_uk)) <= 1e-6
+        assert torch.equal(k[..., qk - rope : qk], k_rope[:, None].expand(B, H, S, rope))
+        assert rel_err(vals[..., :v], torch.einsum("bsl,hdl->bhsd", latent, w_uv)) <= 1e-6
+        assert not k[..., qk:].any() and not vals[..., v:].any()
+        latent, k_rope = latent * 2, k_rope - 1
 
 
 def test_attention_buckets_are_few_and_tight():
