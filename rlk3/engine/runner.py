@@ -506,7 +506,7 @@ def decompress_kv(latent: torch.Tensor, k_rope: torch.Tensor, w_uk: torch.Tensor
     writes its columns of the padded tensor in place (``bmm`` into a strided view: BLAS takes the row stride as its
     leading dimension, and the latent is broadcast over the heads with a zero batch stride, not copied), the rope
     slice and the padding are filled around it. The decompress-concatenate-pad sequence it replaces kept three
-    intermediates of a long prefix's size alive; this allocates only the keys and values (0.60 of the peak memory,
+    intermediates of a long prefix's size alive; this allocates only the keys and values (0.60-0.63 of the peak memory,
     docs/BENCHMARKS.md, ``bench/prefill_kv.py``)."""
     (B, S, L), (H, nope, _), R, v_dim = latent.shape, w_uk.shape, k_rope.shape[-1], w_uv.shape[1]
     D = max(nope + R, v_dim)
