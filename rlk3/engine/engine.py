@@ -385,6 +385,7 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ stepping
 
+    @torch.no_grad()  # the prefill graphs' eager attention runs outside the runner's no_grad forward
     def step(self) -> list[GenerationResult]:
         """Runs one scheduler step (one forward pass); returns the results of requests that finished in it — with
         asynchronous decode, of those that finished in the step read back during this call (module docstring)."""

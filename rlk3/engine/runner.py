@@ -507,11 +507,12 @@ def decompress_kv(latent: torch.Tensor, k_rope: torch.Tensor, w_uk: torch.Tensor
     leading dimension, and the latent is broadcast over the heads with a zero batch stride, not copied), the rope
     slice and the padding are filled around it. The decompress-concatenate-pad sequence it replaces kept three
     intermediates of a long prefix's size alive; this allocates only the keys and values (0.60-0.63 of the peak memory,
-    docs/BENCHMARKS.md, ``bench/prefill_kv.py``)."""
+    docs/BENCHMARKS.md, ``bench/prefill_kv.py``). Inference only: an ``out=`` matmul has no autograd, so weights that
+    require grad (the model's own parameters, sliced) are detached."""
     (B, S, L), (H, nope, _), R, v_dim = latent.shape, w_uk.shape, k_rope.shape[-1], w_uv.shape[1]
     D = max(nope + R, v_dim)
     k, v = latent.new_empty(B, H, S, D), latent.new_empty(B, H, S, D)
-    w_k, w_v = w_uk.to(latent.dtype).transpose(1, 2), w_uv.to(latent.dtype).transpose(1, 2)
+    w_k, w_v = (w.detach().to(latent.dtype).transpose(1, 2) for w in (w_uk, w_uv))
     for b in range(B):
         lat = latent[b].expand(H, S, L)
         torch.bmm(lat, w_k, out=k[b, :, :, :nope])

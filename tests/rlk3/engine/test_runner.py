@@ -204,6 +204,20 @@ def test_decompress_kv_writes_the_padded_heads(qk, v, B, device):
         latent, k_rope = latent * 2, k_rope - 1
 
 
+def test_decompress_kv_takes_weights_that_require_grad():
+    """The engine slices the model's parameters (``requires_grad``) for it, and a CUDA prefill graph's eager attention
+    once ran it with grad mode on: an ``out=`` matmul refuses autograd inputs, so it must detach them."""
+    from rlk3.engine.runner import decompress_kv
+
+    g = torch.Generator().manual_seed(0)
+    latent, k_rope = torch.randn(1, 9, 8, generator=g), torch.randn(1, 9, 4, generator=g)
+    w_uk, w_uv = torch.randn(2, 12, 8, generator=g), torch.randn(2, 16, 8, generator=g)
+    with torch.enable_grad():
+        k, v = decompress_kv(latent, k_rope, w_uk.requires_grad_(), w_uv.requires_grad_())
+    assert not k.requires_grad and not v.requires_grad
+    assert rel_err(v[..., :16], torch.einsum("bsl,hdl->bhsd", latent, w_uv.detach())) <= 1e-6
+
+
 def test_attention_buckets_are_few_and_tight():
     """cuDNN builds a plan per shape, so its calls are padded: never shorter, multiples of the minimum quantum, under
     6.25% padding past 2K rows, and few distinct shapes (48 up to 8K rows)."""
