@@ -361,3 +361,16 @@ def test_engine_keeps_the_torch_path_where_the_cpu_kernels_cannot_build(tmp_path
     kernels, warned, generated = out.stdout.splitlines()[-3:]
     assert kernels == "torch" and generated == "3"
     assert "rlk3 CPU kernels unavailable" in warned and "no-such-cc" in warned
+
+
+def test_every_engine_forward_runs_with_grad_mode_off(tiny, monkeypatch):
+    """A step's forwards are inference: on CUDA the prefill graphs call the runner's attention outside its
+    ``no_grad`` forward, so ``step`` itself must turn grad mode off (with it on, the model's parameters made that
+    attention record an autograd graph, then crash once it wrote through ``out=``; 274ade8). Checked here where every
+    path forks: the engine's own ``_forward``, with the model's parameters requiring grad as a trainer leaves them."""
+    assert all(p.requires_grad for p in tiny.parameters())
+    engine = RolloutEngine(tiny, EngineConfig(memory_bytes=8 * 2**20, backend="torch"))
+    seen, forward = [], engine._forward
+    monkeypatch.setattr(engine, "_forward", lambda batch: (seen.append(torch.is_grad_enabled()), forward(batch))[1])
+    engine.generate([prompt(30, seed=1), prompt(7, seed=2)], SamplingParams(max_tokens=4, temperature=0))
+    assert seen and not any(seen) and torch.is_grad_enabled()
