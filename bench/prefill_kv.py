@@ -176,6 +176,9 @@ def main() -> None:
             row[f"{variant}_ms"] = median_ms(call(variant, shape, args.device, dtype), args.device)
             row[f"{variant}_peak_bytes"] = peak(variant, i, args.device, dtype_name)
         rows.append(row)
+        # one line per shape as it finishes: a run cut off by a time limit keeps what it measured (the table and
+        # the JSON come at the end; on CUDA each peak is a fresh process, seconds each)
+        print(name, {k: round(v, 3) for k, v in row.items() if k.endswith("_ms")}, flush=True)
     result = dict(device=args.device, dtype=dtype_name, threads=args.threads, torch=torch.__version__, rows=rows)
     print(f"\ndecompressing a cached prefix into padded heads ({args.device}, {dtype_name}, {args.threads} thread(s))")
     print("| dims | positions | keys + values MiB | " + " | ".join(f"{v} ms | {v} peak MiB" for v in VARIANTS)
