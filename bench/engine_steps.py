@@ -122,6 +122,8 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
+    if args.profile and not cuda:  # before minutes of cold turns, not at the first profiled one
+        raise SystemExit(f"--profile {args.profile}: kernel tables need --device cuda (got --device {args.device})")
     if not cuda:
         torch.set_num_threads(1)
     preset, dtype = ("k3-small", torch.bfloat16) if cuda else ("k3-tiny", torch.float32)
