@@ -6,7 +6,7 @@ import torch
 
 import rlk3.engine.engine as engine_module
 from rlk3.engine import EngineConfig, RolloutEngine, SamplingParams
-from rlk3.engine.runner import dense_experts, grouped_experts, latent_moe
+from rlk3.engine.runner import decompress_kv, dense_experts, grouped_experts, latent_moe
 from tests._util import rel_err
 from tests.rlk3.engine._oracle import assert_greedy_matches_full_forward, mixed_workload, prompt
 
@@ -185,8 +185,6 @@ def test_decompress_kv_writes_the_padded_heads(qk, v, B, device):
     strided views of the padded tensors: the decompressed part as the model's einsum computes it, the shared rope
     slice bit for bit, the padding exactly zero (the buffers start uninitialised, so a missed fill would show). On
     CUDA (gpu) the strided ``bmm`` goes to cuBLAS (fp32, TF32 off: the default)."""
-    from rlk3.engine.runner import decompress_kv
-
     rope, H, S, L = 16, 4, 70, 24
     g = torch.Generator().manual_seed(qk + v + B)
     latent, k_rope = torch.randn(B, S, L, generator=g), torch.randn(B, S, rope, generator=g)
@@ -207,8 +205,6 @@ def test_decompress_kv_writes_the_padded_heads(qk, v, B, device):
 def test_decompress_kv_takes_weights_that_require_grad():
     """The engine slices the model's parameters (``requires_grad``) for it, and a CUDA prefill graph's eager attention
     once ran it with grad mode on: an ``out=`` matmul refuses autograd inputs, so it must detach them."""
-    from rlk3.engine.runner import decompress_kv
-
     g = torch.Generator().manual_seed(0)
     latent, k_rope = torch.randn(1, 9, 8, generator=g), torch.randn(1, 9, 4, generator=g)
     w_uk, w_uv = torch.randn(2, 12, 8, generator=g), torch.randn(2, 16, 8, generator=g)
@@ -371,6 +367,11 @@ def test_every_engine_forward_runs_with_grad_mode_off(tiny, monkeypatch):
     assert all(p.requires_grad for p in tiny.parameters())
     engine = RolloutEngine(tiny, EngineConfig(memory_bytes=8 * 2**20, backend="torch"))
     seen, forward = [], engine._forward
-    monkeypatch.setattr(engine, "_forward", lambda batch: (seen.append(torch.is_grad_enabled()), forward(batch))[1])
+
+    def recording(batch):
+        seen.append(torch.is_grad_enabled())
+        return forward(batch)
+
+    monkeypatch.setattr(engine, "_forward", recording)
     engine.generate([prompt(30, seed=1), prompt(7, seed=2)], SamplingParams(max_tokens=4, temperature=0))
     assert seen and not any(seen) and torch.is_grad_enabled()
