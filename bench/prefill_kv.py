@@ -1,20 +1,23 @@
-"""MLA prefill: decompressing a cached prefix into SDPA's padded heads in place (``rlk3.engine.runner.decompress_kv``)
-against the decompression, concatenation and padding it replaced, and against one matmul each for keys and values.
+"""MLA prefill: decompressing a cached prefix into SDPA's padded heads (``rlk3.engine.runner.decompress_kv``, its two
+forms) against the decompression, concatenation and padding they replaced, and against one matmul each for keys and
+values with the rope slice folded into the weight.
 
 An extension of a cached prefix (the next turn of an episode) decompresses every cached position's latent into
-per-head keys and values before attention. Three forms of it:
+per-head keys and values before attention. Four forms of it:
 
 * baseline, the engine's former code: ``einsum`` per head, ``cat`` with the shared rope slice, ``F.pad`` to one head
   dim (three intermediates of the prefix's size alive at the end);
 * one matmul: each of keys and values from one matmul whose weight holds an identity block for the rope slice and
   zero rows for the padding (fewer passes over memory, more arithmetic);
-* in place (the engine's ``decompress_kv``): per-head ``bmm`` into strided views of the padded tensors, the rope
-  slice and the padding filled around it.
+* in place (``decompress_kv(dense=False)``, the engine's form on CPU): per-head ``bmm`` into strided views of the
+  padded tensors, the rope slice and the padding filled around it;
+* dense (``decompress_kv(dense=True)``, the engine's form on CUDA): one matmul each over zero-padded weights into
+  ``[B, S, H, D]``, the rope slice written over its zeros.
 
-Per shape: milliseconds per decompression (median of 5 after a warm-up, in this process) and the peak
-memory the decompression adds (each variant alone in a fresh subprocess: on CPU the peak resident set, reset through
-``/proc/self/clear_refs`` first, which counts the intermediates the baseline keeps alive; ``max_memory_allocated`` on
-CUDA).
+Per shape: milliseconds per decompression (median of 5 on CPU, 20 on CUDA, after a warm-up, in this process) and the
+peak memory the decompression adds (on CPU each variant alone in a fresh subprocess: the peak resident set, reset
+through ``/proc/self/clear_refs`` first, which counts the intermediates the baseline keeps alive; on CUDA
+``max_memory_allocated`` around one call, in this process).
 
     .venv/bin/python bench/prefill_kv.py                 # CPU, fp32, one thread
     python3 bench/prefill_kv.py --device cuda            # bf16
@@ -37,7 +40,7 @@ from rlk3.engine.runner import decompress_kv
 
 ROOT = Path(__file__).resolve().parents[1]
 
-VARIANTS = ("baseline", "one_matmul", "in_place")
+VARIANTS = ("baseline", "one_matmul", "in_place", "dense")
 # (name, heads, nope, rope, v, latent rank, cached positions): k3-tiny, k3-small, and K3's attention dims
 SHAPES = [("k3-tiny", 4, 32, 16, 32, 32, 20480), ("k3-small", 8, 64, 32, 128, 256, 16384),
           ("K3", 96, 128, 64, 128, 512, 4096)]
@@ -91,8 +94,8 @@ def call(variant: str, shape, device, dtype):
     latent, k_rope, w_uk, w_uv = inputs(shape, device, dtype)
     if variant == "baseline":
         return lambda: baseline(latent, k_rope, w_uk, w_uv)
-    if variant == "in_place":
-        return lambda: decompress_kv(latent, k_rope, w_uk, w_uv)
+    if variant in ("in_place", "dense"):
+        return lambda: decompress_kv(latent, k_rope, w_uk, w_uv, dense=variant == "dense")
     w_k, w_v = kv_up_weights(w_uk, w_uv, k_rope.shape[-1])
     return lambda: one_matmul(latent, k_rope, w_k, w_v, w_uk.shape[0])
 
@@ -103,20 +106,13 @@ def sync(device):
 
 
 def peak_child(variant: str, index: int, device: str, dtype: torch.dtype) -> None:
-    """In a fresh process: the bytes one decompression adds to the peak (inputs and weights built first)."""
+    """In a fresh process, on CPU: the bytes one decompression adds to the peak resident set (inputs and weights built
+    first; Linux: the peak is reset, then read back after one call)."""
     f = call(variant, SHAPES[index], device, dtype)
-    sync(device)
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        f()
-        sync(device)
-        print(torch.cuda.max_memory_allocated() - before)
-    else:  # Linux: reset the process's peak resident set, then read it back after one call
-        Path("/proc/self/clear_refs").write_text("5")
-        before = status_kib("VmRSS")
-        f()
-        print((status_kib("VmHWM") - before) * 1024)
+    Path("/proc/self/clear_refs").write_text("5")
+    before = status_kib("VmRSS")
+    f()
+    print((status_kib("VmHWM") - before) * 1024)
 
 
 def status_kib(key: str) -> int:
@@ -127,12 +123,21 @@ def status_kib(key: str) -> int:
 
 
 def peak(variant: str, index: int, device: str, dtype_name: str) -> int:
+    if device == "cuda":  # the caching allocator's own count: no fresh process needed
+        f = call(variant, SHAPES[index], device, getattr(torch, dtype_name))
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        f()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
     out = subprocess.run([sys.executable, __file__, "--child", variant, str(index), "--device", device,
                           "--dtype", dtype_name], check=True, capture_output=True, text=True)
     return int(out.stdout.split()[-1])
 
 
-def median_ms(f, device, n: int = 5) -> float:
+def median_ms(f, device) -> float:
+    n = 20 if device == "cuda" else 5
     f()
     times = []
     for _ in range(n):
@@ -150,8 +155,14 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: fp32 on CPU, bf16 on CUDA")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--child", nargs=2, metavar=("VARIANT", "SHAPE"), help=argparse.SUPPRESS)
+    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES),
+                    help="comma-separated subset of " + ", ".join(s[0] for s in SHAPES) + " (default: all)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    names = [s[0] for s in SHAPES]
+    chosen = [n for n in args.shapes.split(",") if n]
+    if not chosen or any(n not in names for n in chosen):
+        ap.error(f"--shapes {args.shapes!r}: choose from {', '.join(names)}")
     torch.set_num_threads(args.threads)
     dtype_name = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     dtype = getattr(torch, dtype_name)
@@ -163,6 +174,8 @@ def main() -> None:
     rows = []
     for i, shape in enumerate(SHAPES):
         name, H, nope, rope, v, L, S = shape
+        if name not in chosen:
+            continue
         k0, v0 = call("baseline", shape, args.device, dtype)()
         row = dict(shape=name, heads=H, nope=nope, rope=rope, v=v, latent=L, positions=S,
                    output_bytes=k0.numel() * k0.element_size() * 2)
@@ -177,18 +190,18 @@ def main() -> None:
             row[f"{variant}_peak_bytes"] = peak(variant, i, args.device, dtype_name)
         rows.append(row)
         # one line per shape as it finishes: a run cut off by a time limit keeps what it measured (the table and
-        # the JSON come at the end; on CUDA each peak is a fresh process, seconds each)
+        # the JSON come at the end; on CPU each peak is a fresh process, seconds each)
         print(name, {k: round(v, 3) for k, v in row.items() if k.endswith("_ms")}, flush=True)
     result = dict(device=args.device, dtype=dtype_name, threads=args.threads, torch=torch.__version__, rows=rows)
     print(f"\ndecompressing a cached prefix into padded heads ({args.device}, {dtype_name}, {args.threads} thread(s))")
     print("| dims | positions | keys + values MiB | " + " | ".join(f"{v} ms | {v} peak MiB" for v in VARIANTS)
-          + " | max abs diff (one matmul / in place) |")
+          + " | max abs diff (one matmul / in place / dense) |")
     print("|---|---:|---:|" + "---:|---:|" * len(VARIANTS) + "---|")
     mib = 2**20
     for r in rows:
-        cells = " | ".join(f"{r[f'{v}_ms']:.1f} | {r[f'{v}_peak_bytes'] / mib:.0f}" for v in VARIANTS)
-        print(f"| {r['shape']} | {r['positions']} | {r['output_bytes'] / mib:.0f} | {cells} | "
-              f"{r['one_matmul_max_abs_diff']:.1e} / {r['in_place_max_abs_diff']:.1e} |")
+        cells = " | ".join(f"{r[f'{v}_ms']:.3g} | {r[f'{v}_peak_bytes'] / mib:.0f}" for v in VARIANTS)
+        diffs = " / ".join(f"{r[f'{v}_max_abs_diff']:.1e}" for v in VARIANTS[1:])
+        print(f"| {r['shape']} | {r['positions']} | {r['output_bytes'] / mib:.0f} | {cells} | {diffs} |")
     out = args.out or ROOT / "bench" / "results" / f"prefill-kv-{args.device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
