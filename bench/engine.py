@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from rlk3.engine import EngineConfig, RolloutEngine, SamplingParams, runner
+from rlk3.engine import EngineConfig, RolloutEngine, SamplingParams
 from rlk3.model import K3Config, K3ForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -326,16 +326,11 @@ def main() -> None:
                     help="EngineConfig.checkpoint_in_step (on: also a multi-turn run with it off, for its effect)")
     ap.add_argument("--cudnn-attention", choices=["on", "off"], default="off",
                     help="EngineConfig.cudnn_attention: causal prefill attention through cuDNN at padded shapes")
-    ap.add_argument("--decompress", choices=["auto", "per-head", "dense"], default="auto",
-                    help="runner.decompress_kv's form in every prefill (auto: dense on CUDA, per head on CPU)")
     ap.add_argument("--step-tokens", type=int, default=None,
                     help="EngineConfig.max_tokens_per_step (default: the engine's on CUDA (8192), 512 on CPU)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if args.decompress != "auto":  # prefill_attention looks decompress_kv up at each call
-        form, real = args.decompress == "dense", runner.decompress_kv
-        runner.decompress_kv = lambda latent, k_rope, w_uk, w_uv, dense=None: real(latent, k_rope, w_uk, w_uv, form)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     preset, dtype = ("k3-small", torch.bfloat16) if cuda else ("k3-tiny", torch.float32)
@@ -350,8 +345,7 @@ def main() -> None:
                        cudnn_attention=args.cudnn_attention == "on")
     result = dict(device=str(device), gpu=torch.cuda.get_device_name(device) if cuda else None, preset=preset,
                   dtype=str(dtype), threads=args.threads, torch=torch.__version__,
-                  load_average=os.getloadavg(), decompress=args.decompress,
-                  config={k: v for k, v in cfg.__dict__.items()})
+                  load_average=os.getloadavg(), config={k: v for k, v in cfg.__dict__.items()})
 
     if "decode" not in args.skip:
         sizes = [1, 32, 128] if cuda else [32]

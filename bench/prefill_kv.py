@@ -1,18 +1,15 @@
-"""MLA prefill: decompressing a cached prefix into SDPA's padded heads (``rlk3.engine.runner.decompress_kv``, its two
-forms) against the decompression, concatenation and padding they replaced, and against one matmul each for keys and
-values with the rope slice folded into the weight.
+"""MLA prefill: decompressing a cached prefix into SDPA's padded heads in place (``rlk3.engine.runner.decompress_kv``)
+against the decompression, concatenation and padding it replaced, and against one matmul each for keys and values.
 
 An extension of a cached prefix (the next turn of an episode) decompresses every cached position's latent into
-per-head keys and values before attention. Four forms of it:
+per-head keys and values before attention. Three forms of it:
 
 * baseline, the engine's former code: ``einsum`` per head, ``cat`` with the shared rope slice, ``F.pad`` to one head
   dim (three intermediates of the prefix's size alive at the end);
 * one matmul: each of keys and values from one matmul whose weight holds an identity block for the rope slice and
   zero rows for the padding (fewer passes over memory, more arithmetic);
-* in place (``decompress_kv(dense=False)``, the engine's form on CPU): per-head ``bmm`` into strided views of the
-  padded tensors, the rope slice and the padding filled around it;
-* dense (``decompress_kv(dense=True)``, the engine's form on CUDA): one matmul each over zero-padded weights into
-  ``[B, S, H, D]``, the rope slice written over its zeros.
+* in place (the engine's ``decompress_kv``): per-head ``bmm`` into strided views of the padded tensors, the rope
+  slice and the padding filled around it.
 
 Per shape: milliseconds per decompression (median of 5 on CPU, 20 on CUDA, after a warm-up, in this process) and the
 peak memory the decompression adds (on CPU each variant alone in a fresh subprocess: the peak resident set, reset
@@ -40,7 +37,7 @@ from rlk3.engine.runner import decompress_kv
 
 ROOT = Path(__file__).resolve().parents[1]
 
-VARIANTS = ("baseline", "one_matmul", "in_place", "dense")
+VARIANTS = ("baseline", "one_matmul", "in_place")
 # (name, heads, nope, rope, v, latent rank, cached positions): k3-tiny, k3-small, and K3's attention dims
 SHAPES = [("k3-tiny", 4, 32, 16, 32, 32, 20480), ("k3-small", 8, 64, 32, 128, 256, 16384),
           ("K3", 96, 128, 64, 128, 512, 4096)]
@@ -94,8 +91,8 @@ def call(variant: str, shape, device, dtype):
     latent, k_rope, w_uk, w_uv = inputs(shape, device, dtype)
     if variant == "baseline":
         return lambda: baseline(latent, k_rope, w_uk, w_uv)
-    if variant in ("in_place", "dense"):
-        return lambda: decompress_kv(latent, k_rope, w_uk, w_uv, dense=variant == "dense")
+    if variant == "in_place":
+        return lambda: decompress_kv(latent, k_rope, w_uk, w_uv)
     w_k, w_v = kv_up_weights(w_uk, w_uv, k_rope.shape[-1])
     return lambda: one_matmul(latent, k_rope, w_k, w_v, w_uk.shape[0])
 
@@ -195,7 +192,7 @@ def main() -> None:
     result = dict(device=args.device, dtype=dtype_name, threads=args.threads, torch=torch.__version__, rows=rows)
     print(f"\ndecompressing a cached prefix into padded heads ({args.device}, {dtype_name}, {args.threads} thread(s))")
     print("| dims | positions | keys + values MiB | " + " | ".join(f"{v} ms | {v} peak MiB" for v in VARIANTS)
-          + " | max abs diff (one matmul / in place / dense) |")
+          + " | max abs diff (one matmul / in place) |")
     print("|---|---:|---:|" + "---:|---:|" * len(VARIANTS) + "---|")
     mib = 2**20
     for r in rows:

@@ -500,35 +500,19 @@ def attention_bucket(n: int) -> int:
     return -(-n // q) * q
 
 
-def decompress_kv(latent: torch.Tensor, k_rope: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
-                  dense: bool | None = None):
+def decompress_kv(latent: torch.Tensor, k_rope: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor):
     """Cached MLA entries decompressed straight into SDPA's padded heads: keys ``[B, H, S, D]`` =
-    ``[W_UK_h·latent ; k_rope ; 0]``, values ``[W_UV_h·latent ; 0]``, D = max(nope + rope, v). Only the keys and
-    values are allocated (the decompress-concatenate-pad sequence this replaced kept three intermediates of a long
-    prefix's size alive: 0.60-0.63 of its peak memory, docs/BENCHMARKS.md, ``bench/prefill_kv.py``), in one of two
-    forms, bit for bit alike wherever the matmuls round alike:
-
-    * per head (``dense=False``, the CPU default): each head's matmul writes its columns of the padded tensor in
-      place (``bmm`` into a strided view: BLAS takes the row stride as its leading dimension, and the latent is
-      broadcast over the heads with a zero batch stride, not copied), the rope slice and the padding filled around
-      it. The least arithmetic, which is what counts on a CPU.
-    * dense (``dense=True``, the CUDA default): one matmul each for keys and values over all heads, into
-      ``[B, S, H, D]`` seen as ``[B, H, S, D]``, the weight padded with zero rows where the rope slice and the
-      padding go (the rope slice is then written over its zeros). More arithmetic (2x the keys' at k3-small), which
-      a GPU does not notice, and one large GEMM instead of a batch of narrow ones: 3x faster on an H100 at k3-small's
-      16K cached positions (docs/BENCHMARKS.md).
-
-    Inference only: an ``out=`` matmul has no autograd, so weights that require grad (the model's own parameters,
-    sliced) are detached."""
+    ``[W_UK_h·latent ; k_rope ; 0]``, values ``[W_UV_h·latent ; 0]``, D = max(nope + rope, v). Each per-head matmul
+    writes its columns of the padded tensor in place (``bmm`` into a strided view: BLAS takes the row stride as its
+    leading dimension, and the latent is broadcast over the heads with a zero batch stride, not copied), the rope
+    slice and the padding are filled around it. The decompress-concatenate-pad sequence it replaces kept three
+    intermediates of a long prefix's size alive; this allocates only the keys and values (0.60-0.63 of the peak memory,
+    docs/BENCHMARKS.md, ``bench/prefill_kv.py``). Inference only: an ``out=`` matmul has no autograd, so weights that
+    require grad (the model's own parameters, sliced) are detached."""
     (B, S, L), (H, nope, _), R, v_dim = latent.shape, w_uk.shape, k_rope.shape[-1], w_uv.shape[1]
     D = max(nope + R, v_dim)
-    w_k, w_v = (w.detach().to(latent.dtype) for w in (w_uk, w_uv))
-    if latent.is_cuda if dense is None else dense:
-        k, v = (_dense_heads(latent, w, D) for w in (w_k, w_v))
-        k[..., nope : nope + R] = k_rope[:, :, None]
-        return k.transpose(1, 2), v.transpose(1, 2)
     k, v = latent.new_empty(B, H, S, D), latent.new_empty(B, H, S, D)
-    w_k, w_v = w_k.transpose(1, 2), w_v.transpose(1, 2)
+    w_k, w_v = (w.detach().to(latent.dtype).transpose(1, 2) for w in (w_uk, w_uv))
     for b in range(B):
         lat = latent[b].expand(H, S, L)
         torch.bmm(lat, w_k, out=k[b, :, :, :nope])
@@ -541,17 +525,8 @@ def decompress_kv(latent: torch.Tensor, k_rope: torch.Tensor, w_uk: torch.Tensor
     return k, v
 
 
-def _dense_heads(latent: torch.Tensor, w: torch.Tensor, D: int) -> torch.Tensor:
-    """``latent [B, S, L]`` times every head of ``w [H, d, L]`` in one matmul: ``[B, S, H, D]``, columns d.. of each
-    head zero (the weight's padding rows)."""
-    H, d, L = w.shape
-    if d < D:
-        w = torch.cat([w, w.new_zeros(H, D - d, L)], dim=1)
-    return torch.matmul(latent, w.reshape(H * D, L).t()).view(*latent.shape[:2], H, D)
-
-
 def prefill_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale, mask=None, causal=False,
-                      prefix: int = 0, cudnn: bool = False, dense: bool | None = None) -> torch.Tensor:
+                      prefix: int = 0, cudnn: bool = False) -> torch.Tensor:
     """``mla_attention(..., absorbed=False)`` (decompress K/V, then SDPA) with the value heads zero-padded to the
     query/key head dim (or the reverse): PyTorch's fused CPU attention kernel needs one head dim for q, k and v and
     otherwise falls back to a path that materialises every score (3-5x slower at long context). Zero columns change
@@ -563,9 +538,8 @@ def prefill_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale, mask=No
     (``_prefix_causal``: a ``[T, S]`` mask would send it to a slower path). On CUDA it is one call with PyTorch's
     lower-right causal bias, which the fused kernels (FlashAttention-2) apply without a mask tensor: 1.10-1.27x
     faster than a boolean ``[T, S]`` mask. ``cudnn`` (CUDA, half precision): causal calls go to cuDNN at padded
-    shapes instead (``_cudnn_causal``); otherwise CUDA calls never reach cuDNN (NO_CUDNN, above). ``dense``: the
-    form of ``decompress_kv`` (default: the device's)."""
-    k, v = decompress_kv(latent, k_rope, w_uk, w_uv, dense)
+    shapes instead (``_cudnn_causal``); otherwise CUDA calls never reach cuDNN (NO_CUDNN, above)."""
+    k, v = decompress_kv(latent, k_rope, w_uk, w_uv)
     D, qk_dim, v_dim = k.shape[-1], q_nope.shape[-1] + q_rope.shape[-1], w_uv.shape[1]
     q = torch.cat([q_nope, q_rope], dim=-1)
     q = (F.pad(q, (0, D - qk_dim)) if qk_dim < D else q).transpose(1, 2)

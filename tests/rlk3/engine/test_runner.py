@@ -147,17 +147,11 @@ CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
-@pytest.mark.parametrize("dense", [False, True], ids=["per_head", "dense"])
 @pytest.mark.parametrize("qk,v", [(48, 32), (96, 128), (64, 64)])
-def test_prefill_attention_equals_mla_attention(qk, v, dense, device):
-    """The padded-head SDPA call equals the model's decompressed MLA attention, masked and causal, over both forms of
-    the decompressed keys and values (contiguous ``[B, H, S, D]``, and ``[B, S, H, D]`` seen as that). On CUDA (fp32,
-    no TF32 in these SDPA kernels; marked gpu) a cached prefix's extension takes PyTorch's lower-right causal bias."""
-    from functools import partial
-
+def test_prefill_attention_equals_mla_attention(qk, v, device):
+    """The padded-head SDPA call equals the model's decompressed MLA attention, masked and causal. On CUDA (fp32, no
+    TF32 in these SDPA kernels; marked gpu) a cached prefix's extension takes PyTorch's lower-right causal bias."""
     from rlk3.engine.runner import prefill_attention
-
-    prefill_attention = partial(prefill_attention, dense=dense)
     from rlk3.model.ops.mla import mla_attention
 
     rope = 16
@@ -184,15 +178,13 @@ def test_prefill_attention_equals_mla_attention(qk, v, dense, device):
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
-@pytest.mark.parametrize("dense", [False, True], ids=["per_head", "dense"])
 @pytest.mark.parametrize("B", [1, 2])
 @pytest.mark.parametrize("qk,v", [(48, 32), (96, 128), (64, 48)])
-def test_decompress_kv_writes_the_padded_heads(qk, v, B, dense, device):
-    """``decompress_kv`` gives every head ``[W_UK_h c ; k_rope ; 0]`` and ``[W_UV_h c ; 0]``, in both forms (per-head
-    matmuls into strided views of the padded tensors; one matmul over zero-padded weights): the decompressed part as
-    the model's einsum computes it, the shared rope slice bit for bit, the padding exactly zero (the buffers start
-    uninitialised, so a missed fill would show). On CUDA (gpu) the matmuls go to cuBLAS (fp32, TF32 off: the
-    default)."""
+def test_decompress_kv_writes_the_padded_heads(qk, v, B, device):
+    """``decompress_kv`` gives every head ``[W_UK_h c ; k_rope ; 0]`` and ``[W_UV_h c ; 0]``, written in place into
+    strided views of the padded tensors: the decompressed part as the model's einsum computes it, the shared rope
+    slice bit for bit, the padding exactly zero (the buffers start uninitialised, so a missed fill would show). On
+    CUDA (gpu) the strided ``bmm`` goes to cuBLAS (fp32, TF32 off: the default)."""
     rope, H, S, L = 16, 4, 70, 24
     g = torch.Generator().manual_seed(qk + v + B)
     latent, k_rope = torch.randn(B, S, L, generator=g), torch.randn(B, S, rope, generator=g)
@@ -201,8 +193,8 @@ def test_decompress_kv_writes_the_padded_heads(qk, v, B, dense, device):
     tol = 1e-6 if device == "cpu" else 1e-5  # cuBLAS may sum in another order than the einsum's kernel
     D = max(qk, v)
     for _ in range(2):  # the second call reuses freed memory that holds the first call's values
-        k, vals = decompress_kv(latent, k_rope, w_uk, w_uv, dense=dense)
-        assert k.shape == vals.shape == (B, H, S, D) and k.stride(-1) == vals.stride(-1) == 1  # what SDPA needs
+        k, vals = decompress_kv(latent, k_rope, w_uk, w_uv)
+        assert k.shape == vals.shape == (B, H, S, D) and k.is_contiguous() and vals.is_contiguous()
         assert rel_err(k[..., : qk - rope], torch.einsum("bsl,hdl->bhsd", latent, w_uk)) <= tol
         assert torch.equal(k[..., qk - rope : qk], k_rope[:, None].expand(B, H, S, rope))
         assert rel_err(vals[..., :v], torch.einsum("bsl,hdl->bhsd", latent, w_uv)) <= tol
@@ -210,16 +202,14 @@ def test_decompress_kv_writes_the_padded_heads(qk, v, B, dense, device):
         latent, k_rope = latent * 2, k_rope - 1
 
 
-@pytest.mark.parametrize("dense", [False, True], ids=["per_head", "dense"])
-def test_decompress_kv_takes_weights_that_require_grad(dense):
+def test_decompress_kv_takes_weights_that_require_grad():
     """The engine slices the model's parameters (``requires_grad``) for it, and a CUDA prefill graph's eager attention
-    once ran it with grad mode on: an ``out=`` matmul refuses autograd inputs, so it must detach them (and the dense
-    form must not record a graph either)."""
+    once ran it with grad mode on: an ``out=`` matmul refuses autograd inputs, so it must detach them."""
     g = torch.Generator().manual_seed(0)
     latent, k_rope = torch.randn(1, 9, 8, generator=g), torch.randn(1, 9, 4, generator=g)
     w_uk, w_uv = torch.randn(2, 12, 8, generator=g), torch.randn(2, 16, 8, generator=g)
     with torch.enable_grad():
-        k, v = decompress_kv(latent, k_rope, w_uk.requires_grad_(), w_uv.requires_grad_(), dense=dense)
+        k, v = decompress_kv(latent, k_rope, w_uk.requires_grad_(), w_uv.requires_grad_())
     assert not k.requires_grad and not v.requires_grad
     assert rel_err(v[..., :16], torch.einsum("bsl,hdl->bhsd", latent, w_uv.detach())) <= 1e-6
 
