@@ -34,6 +34,7 @@ def _bool(owner: str, key: str, value) -> None:
 
 
 SAMPLERS = ("generator", "counter")  # sampling.py
+SEED_MAX = 2**64 - 1  # seeds are 64-bit: what torch.Generator.manual_seed takes, and the counter sampler's keys hold
 
 
 @dataclass
@@ -165,7 +166,7 @@ class EngineConfig:
                 f"{own}.cuda_graph_batch_sizes must be a non-empty list of ints >= 1, got {sizes!r}"
             )
         self.cuda_graph_batch_sizes = sorted(set(sizes))
-        _int(own, "seed", self.seed, 0)
+        _int(own, "seed", self.seed, 0, maximum=SEED_MAX)
 
     @classmethod
     def from_dict(cls, values: dict) -> EngineConfig:
@@ -210,7 +211,7 @@ class SamplingParams:
         if not isinstance(self.stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in self.stop):
             raise EngineConfigError(f"{own}.stop must be a list of non-empty strings, got {self.stop!r}")
         self.stop = list(self.stop)
-        _int(own, "seed", self.seed, 0, allow_none=True)
+        _int(own, "seed", self.seed, 0, allow_none=True, maximum=SEED_MAX)
 
     @property
     def greedy(self) -> bool:

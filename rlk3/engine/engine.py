@@ -46,7 +46,7 @@ from rlk3.engine.runner import (
     decode_conv_indices,
     static_parts,
 )
-from rlk3.engine.sampling import sample, sample_tensors, to_device
+from rlk3.engine.sampling import counter_key, generator_seed, sample, sample_tensors, to_device
 from rlk3.engine.scheduler import Scheduler
 from rlk3.model.ops import cpu as cpu_kernels
 from rlk3.model.ops.kda import fla_available
@@ -212,7 +212,7 @@ class RolloutEngine:
         self.released = False
         self._arrivals = itertools.count()
         self._ids = itertools.count()
-        self._seeds = torch.Generator().manual_seed(config.seed)
+        self._seeds = torch.Generator().manual_seed(generator_seed(config.seed))
         self._decode_index_cache: dict[int, tuple[torch.Tensor, ...]] = {}
         self._graphs = None  # CUDA graphs of the decode step, captured on first use (cuda_graphs.py)
         self._prefill_graphs = None  # ... and of all-prefill steps, piecewise, per padded shape
@@ -674,7 +674,7 @@ class RolloutEngine:
         seed = sampling.seed
         if seed is None:  # drawn from the engine's seed: reproducible given the same sequence of calls
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
-        return dict(seed=seed, generator=torch.Generator(device=self.device).manual_seed(seed))
+        return dict(seed=seed, generator=torch.Generator(device=self.device).manual_seed(generator_seed(seed)))
 
     def _mark_turn_ends(self, req: Request, turn_ends: Sequence[int], offset: int) -> None:
         B = self.config.prefix_block_tokens
@@ -957,10 +957,10 @@ class RolloutEngine:
         return finished
 
     def _keys(self, reqs: list[Request]) -> torch.Tensor:
-        """The counter sampler's (seed, position of the token being drawn) rows, the seed folded into int64. The
+        """The counter sampler's (seed, position of the token being drawn) rows, the seed as an int64. The
         position is ``num_computed``: every token before the drawn one has been computed (and, outside a step
         launched ahead of its predecessor's read-back, ``len(tokens)`` equals it)."""
-        return to_device([[r.seed % 2**63, r.num_computed] for r in reqs], self.device)
+        return to_device([[counter_key(r.seed), r.num_computed] for r in reqs], self.device)
 
     def _append(self, req: Request, token: int, logprob: float) -> list[GenerationResult]:
         """Records a sampled token; returns the request's result if it finished with it."""

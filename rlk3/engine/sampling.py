@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from rlk3.engine.config import SamplingParams
+from rlk3.engine.config import SEED_MAX, SamplingParams
 from rlk3.model.ops import cpu
 
 # splitmix64 (Steele, Lea & Flood 2014), in int64 arithmetic: multiplication wraps modulo 2^64 and a logical right
@@ -41,6 +41,26 @@ def _mix(z: torch.Tensor) -> torch.Tensor:
     z = (z ^ _shr(z, 30)) * _M1
     z = (z ^ _shr(z, 27)) * _M2
     return z ^ _shr(z, 31)
+
+
+_MASK64 = SEED_MAX
+
+
+def generator_seed(seed: int) -> int:
+    """What a request's ``torch.Generator`` is seeded with: splitmix64 of its seed, a bijection of 64-bit ints.
+    PyTorch's CPU generator (mt19937) keeps only the low 32 bits of the seed it is given, so seeds that differ only
+    above bit 31 (``s`` and ``s + 2**32``: an iteration packed into the high bits) would draw the same tokens;
+    mixed, every bit of the seed moves those 32. (CUDA's Philox keeps all 64 bits: there no two seeds collide.)"""
+    z = (seed + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def counter_key(seed: int) -> int:
+    """A 64-bit seed as the int64 the counter sampler's hash keys hold: its two's-complement bits, one key per seed
+    (folding it modulo 2**63 made ``s`` and ``s + 2**63`` draw alike)."""
+    return seed - 2**64 if seed >= 2**63 else seed
 
 
 def counter_uniform(keys: torch.Tensor, vocab: int) -> torch.Tensor:

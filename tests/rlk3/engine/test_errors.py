@@ -49,7 +49,8 @@ def test_bad_prompts(engine):
         (dict(top_k=-1), r"SamplingParams.top_k must be an int >= 0, got -1"),
         (dict(stop_token_ids=[1, "x"]), r"SamplingParams.stop_token_ids must be a list of ints >= 0"),
         (dict(stop=[""]), r"SamplingParams.stop must be a list of non-empty strings"),
-        (dict(seed=-1), r"SamplingParams.seed must be an int >= 0 or None, got -1"),
+        (dict(seed=-1), r"SamplingParams.seed must be an int >= 0 and <= 18446744073709551615 or None, got -1"),
+        (dict(seed=2**64), r"SamplingParams.seed must be an int >= 0 and <= 18446744073709551615 or None, got 1844"),
     ],
 )
 def test_bad_sampling_params(kwargs, match):
@@ -116,6 +117,7 @@ def test_update_weights_rejects_bad_updates(tiny):
         (dict(cudnn_attention="on"), "cudnn_attention must be a bool, got 'on'"),
         (dict(cuda_graph_batch_sizes=[0]), "cuda_graph_batch_sizes must be a non-empty list of ints >= 1"),
         (dict(compile="yes"), r"compile must be a bool or None \(None: on CUDA only\), got 'yes'"),
+        (dict(seed=2**70), r"EngineConfig.seed must be an int >= 0 and <= 18446744073709551615, got 1180"),
     ],
 )
 def test_bad_engine_config(kwargs, match):

@@ -84,6 +84,21 @@ def test_seed_and_position_decide_the_draw_whatever_the_batch():
     assert sum(x == y for x, y in zip(a, b)) < 150
 
 
+@pytest.mark.parametrize("sampler", ["generator", "counter"])
+def test_every_64_bit_seed_has_its_own_stream(tiny, sampler):
+    """Seeds that differ only in their high bits draw different tokens: PyTorch's CPU generator keeps only the low
+    32 bits of its seed (``s`` and ``s + 2**32`` drew alike before the seed was mixed), and the counter sampler's
+    keys once folded seeds modulo 2**63. The same seed still draws the same tokens, up to the largest, 2**64 - 1."""
+    engine = RolloutEngine(tiny, EngineConfig(memory_bytes=2**24, sampler=sampler))
+    seeds = [5, 5 + 2**32, 5 + 2**63, 2**63 - 1, 2**64 - 1, 2**40 + 5]
+    prompt = [3, 1, 4, 1, 5]
+    drawn = [r.token_ids for r in engine.generate([prompt] * len(seeds),
+                                                  [SamplingParams(max_tokens=12, seed=s) for s in seeds])]
+    assert len({tuple(t) for t in drawn}) == len(seeds), drawn
+    again = engine.generate([prompt], SamplingParams(max_tokens=12, seed=2**64 - 1))[0].token_ids
+    assert again == drawn[4]
+
+
 def test_sampler_is_validated_and_defaults_to_the_generator_on_cpu(tiny):
     with pytest.raises(EngineConfigError, match=r"sampler must be 'generator', 'counter' or None \(counter on CUDA"):
         EngineConfig(sampler="gumbel")
