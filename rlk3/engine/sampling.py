@@ -43,17 +43,14 @@ def _mix(z: torch.Tensor) -> torch.Tensor:
     return z ^ _shr(z, 31)
 
 
-_MASK64 = SEED_MAX
-
-
 def generator_seed(seed: int) -> int:
     """What a request's ``torch.Generator`` is seeded with: splitmix64 of its seed, a bijection of 64-bit ints.
     PyTorch's CPU generator (mt19937) keeps only the low 32 bits of the seed it is given, so seeds that differ only
     above bit 31 (``s`` and ``s + 2**32``: an iteration packed into the high bits) would draw the same tokens;
     mixed, every bit of the seed moves those 32. (CUDA's Philox keeps all 64 bits: there no two seeds collide.)"""
-    z = (seed + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z = (seed + _GOLDEN) & SEED_MAX  # the constants above, as Python ints taken modulo 2^64
+    z = ((z ^ (z >> 30)) * _M1) & SEED_MAX
+    z = ((z ^ (z >> 27)) * _M2) & SEED_MAX
     return z ^ (z >> 31)
 
 

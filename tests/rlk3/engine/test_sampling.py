@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlk3.engine import EngineConfig, EngineConfigError, RolloutEngine, SamplingParams
-from rlk3.engine.sampling import _restrict, counter_uniform, restrict, sample
+from rlk3.engine.sampling import _restrict, counter_uniform, generator_seed, restrict, sample
 
 
 def keys(seed, positions):
@@ -97,6 +97,8 @@ def test_every_64_bit_seed_has_its_own_stream(tiny, sampler):
     assert len({tuple(t) for t in drawn}) == len(seeds), drawn
     again = engine.generate([prompt], SamplingParams(max_tokens=12, seed=2**64 - 1))[0].token_ids
     assert again == drawn[4]
+    # the mix is splitmix64's first output for the seed (the reference generator's known value for seed 0)
+    assert generator_seed(0) == 0xE220A8397B1DCDAF
 
 
 def test_sampler_is_validated_and_defaults_to_the_generator_on_cpu(tiny):
