@@ -41,6 +41,7 @@ VARIANTS = ("baseline", "one_matmul", "in_place")
 # (name, heads, nope, rope, v, latent rank, cached positions): k3-tiny, k3-small, and K3's attention dims
 SHAPES = [("k3-tiny", 4, 32, 16, 32, 32, 20480), ("k3-small", 8, 64, 32, 128, 256, 16384),
           ("K3", 96, 128, 64, 128, 512, 4096)]
+SHAPE_NAMES = [s[0] for s in SHAPES]
 
 
 def baseline(latent, k_rope, w_uk, w_uv):
@@ -152,14 +153,13 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: fp32 on CPU, bf16 on CUDA")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--child", nargs=2, metavar=("VARIANT", "SHAPE"), help=argparse.SUPPRESS)
-    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES),
-                    help="comma-separated subset of " + ", ".join(s[0] for s in SHAPES) + " (default: all)")
+    ap.add_argument("--shapes", default=",".join(SHAPE_NAMES),
+                    help="comma-separated subset of " + ", ".join(SHAPE_NAMES) + " (default: all)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    names = [s[0] for s in SHAPES]
     chosen = [n for n in args.shapes.split(",") if n]
-    if not chosen or any(n not in names for n in chosen):
-        ap.error(f"--shapes {args.shapes!r}: choose from {', '.join(names)}")
+    if not chosen or any(n not in SHAPE_NAMES for n in chosen):
+        ap.error(f"--shapes {args.shapes!r}: choose from {', '.join(SHAPE_NAMES)}")
     torch.set_num_threads(args.threads)
     dtype_name = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     dtype = getattr(torch, dtype_name)

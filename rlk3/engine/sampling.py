@@ -48,10 +48,7 @@ def generator_seed(seed: int) -> int:
     PyTorch's CPU generator (mt19937) keeps only the low 32 bits of the seed it is given, so seeds that differ only
     above bit 31 (``s`` and ``s + 2**32``: an iteration packed into the high bits) would draw the same tokens;
     mixed, every bit of the seed moves those 32. (CUDA's Philox keeps all 64 bits: there no two seeds collide.)"""
-    z = (seed + _GOLDEN) & SEED_MAX  # the constants above, as Python ints taken modulo 2^64
-    z = ((z ^ (z >> 30)) * _M1) & SEED_MAX
-    z = ((z ^ (z >> 27)) * _M2) & SEED_MAX
-    return z ^ (z >> 31)
+    return int(_mix(torch.tensor(counter_key(seed)) + _GOLDEN)) & SEED_MAX  # the counter's own mix, one element
 
 
 def counter_key(seed: int) -> int:
