@@ -161,6 +161,51 @@ class _InFlight:
     done: torch.cuda.Event | None  # recorded after that copy (None on CPU, where it is already done)
 
 
+def _check_weights(items: list, params: dict[str, torch.Tensor]) -> None:
+    """Every name known, every value a tensor with data, of the model's shape and of its kind (a floating-point
+    weight from floating-point values of any precision: copying casts), and finite. A non-finite weight is a
+    diverged trainer's, and would sample garbage under a valid version tag; it is refused here, by name."""
+    flags: dict[torch.device, list[torch.Tensor]] = {}
+    for item in items:
+        if not (isinstance(item, tuple | list) and len(item) == 2):
+            raise ValueError(f"update_weights: expected (name, tensor) pairs, got {type(item).__name__}")
+        name, tensor = item
+        if name not in params:
+            raise ValueError(f"update_weights: unknown weight {name!r} (not in the model's state dict)")
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"update_weights: {name!r} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.is_meta:
+            raise ValueError(f"update_weights: {name!r} is a meta tensor (no data)")
+        if tuple(tensor.shape) != tuple(params[name].shape):
+            raise ValueError(f"update_weights: {name!r} has shape {list(tensor.shape)}, the model's is "
+                             f"{list(params[name].shape)}")
+        if tensor.is_floating_point() != params[name].is_floating_point() or tensor.is_complex():
+            raise ValueError(f"update_weights: {name!r} has dtype {tensor.dtype}, the model's is "
+                             f"{params[name].dtype} (a floating-point weight takes any floating-point dtype)")
+        if tensor.is_floating_point():
+            flags.setdefault(tensor.device, []).extend(_finite_flags(tensor))
+    # one read-back per device, not one per tensor; the names are looked up only when something is wrong
+    if any(not bool(torch.stack(f).all()) for f in flags.values()):
+        bad = [(n, sum(int((~torch.isfinite(part)).sum()) for part in _chunks(t))) for n, t in items
+               if t.is_floating_point() and not all(bool(f) for f in _finite_flags(t))]
+        listed = ", ".join(f"{n!r} ({k} of {params[n].numel()})" for n, k in bad[:5])
+        raise ValueError(f"update_weights: non-finite values (NaN or inf) in {len(bad)} weight(s): {listed}"
+                         f"{', ...' if len(bad) > 5 else ''}; nothing was copied")
+
+
+def _chunks(t: torch.Tensor, n: int = 1 << 26) -> list[torch.Tensor]:
+    """``t`` in flat pieces of at most ``n`` elements (a contiguous one; other layouts whole): the finiteness
+    check's boolean temporary stays at 64 MiB even for a 2 GiB embedding."""
+    if not t.is_contiguous() or t.numel() <= n:
+        return [t]
+    flat = t.view(-1)
+    return [flat[i : i + n] for i in range(0, flat.numel(), n)]
+
+
+def _finite_flags(t: torch.Tensor) -> list[torch.Tensor]:
+    return [torch.isfinite(part).all() for part in _chunks(t)]
+
+
 def _longs(values: Sequence[int] | Sequence[Sequence[int]]) -> torch.Tensor:
     """A flat int64 tensor of a list of Python ints (or of equal-length lists of them, flattened row by row).
     ``torch.tensor`` parses a list element by element (~0.16 µs each: a cached turn's 2,300 input ids took 0.37 ms of
@@ -485,12 +530,7 @@ class RolloutEngine:
         params = dict(self.model.named_parameters())
         params.update(dict(self.model.named_buffers()))
         items = list(state_dict.items() if isinstance(state_dict, Mapping) else state_dict)
-        for name, tensor in items:  # check everything before touching anything
-            if name not in params:
-                raise ValueError(f"update_weights: unknown weight {name!r} (not in the model's state dict)")
-            if tuple(tensor.shape) != tuple(params[name].shape):
-                raise ValueError(f"update_weights: {name!r} has shape {list(tensor.shape)}, the model's is "
-                                 f"{list(params[name].shape)}")
+        _check_weights(items, params)  # everything before touching anything: a failed update changes nothing
         for name, tensor in items:
             params[name].copy_(tensor)
         self.runner.refresh_weights()
@@ -627,7 +667,12 @@ class RolloutEngine:
         return req
 
     def _many(self, request_ids: str | Iterable[str]) -> list[Request]:
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        if isinstance(request_ids, str):
+            ids = [request_ids]
+        elif isinstance(request_ids, Iterable):
+            ids = list(request_ids)
+        else:
+            raise ValueError(f"request ids must be a str or an iterable of str, got {type(request_ids).__name__}")
         return [self._get(i) for i in ids]  # all checked before any is touched
 
     def _forget(self, req: Request) -> None:

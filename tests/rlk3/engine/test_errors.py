@@ -73,6 +73,9 @@ def test_unknown_request_ids_and_wrong_states(engine):
             call("nope")
     with pytest.raises(UnknownRequestError, match="unknown request id 'nope'"):
         engine.extend("nope", [1])
+    for call in (engine.pause, engine.resume, engine.abort, engine.release):
+        with pytest.raises(ValueError, match="request ids must be a str or an iterable of str, got NoneType"):
+            call(None)
     rid = engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), request_id="r1")
     with pytest.raises(ValueError, match="request_id 'r1' is already in use"):
         engine.add_request([1], request_id="r1")
@@ -100,6 +103,33 @@ def test_update_weights_rejects_bad_updates(tiny):
         engine.update_weights({"lm_head.weight": torch.zeros(3)}, 1)
     with pytest.raises(ValueError, match="version must be an int greater than the current 0, got 0"):
         engine.update_weights({}, 0)
+    # a value that cannot be copied, late in the update, must not leave the earlier weights half-updated under
+    # the old version: every value is checked before the first copy
+    head = "lm_head.weight"
+    last = list(engine.model.state_dict())[-2]
+    assert last != head
+    shape = engine.model.state_dict()[last].shape
+    bad_values = [
+        (torch.empty(shape, device="meta"), rf"'{last}' is a meta tensor \(no data\)"),
+        (torch.zeros(shape).numpy(), rf"'{last}' must be a torch.Tensor, got ndarray"),
+        (torch.zeros(shape, dtype=torch.long), rf"'{last}' has dtype torch.int64, the model's is torch.float32"),
+        (torch.zeros(shape, dtype=torch.bool), rf"'{last}' has dtype torch.bool"),
+        (torch.full(shape, float("nan")), rf"non-finite values \(NaN or inf\) in 1 weight\(s\): '{last}' "
+                                          rf"\({shape.numel()} of {shape.numel()}\); nothing was copied"),
+    ]
+    for value, match in bad_values:
+        with pytest.raises(ValueError, match=match):
+            engine.update_weights({head: torch.zeros_like(before), last: value}, 1)
+        assert torch.equal(engine.model.lm_head.weight, before) and engine.version == 0
+    one_inf = engine.model.lm_head.weight.detach().clone()
+    one_inf[3, 5] = float("-inf")
+    with pytest.raises(ValueError, match=r"'lm_head.weight' \(1 of 524288\)"):
+        engine.update_weights(iter([(head, one_inf)]), 1)
+    with pytest.raises(ValueError, match=r"expected \(name, tensor\) pairs, got str"):
+        engine.update_weights([head], 1)
+    # a floating-point weight takes any floating-point precision (cast on copy), as streamed bf16 buckets are
+    engine.update_weights({head: before.double() * 2}, 1)
+    assert torch.equal(engine.model.lm_head.weight, before * 2) and engine.version == 1
 
 
 @pytest.mark.parametrize(
@@ -162,3 +192,18 @@ def test_generate_rejects_mismatched_sampling(engine):
         engine.generate([prompt(3, seed=1), prompt(3, seed=2)], [SamplingParams()])
     with pytest.raises(ValueError, match="non-empty list of token-id lists"):
         engine.generate([])
+
+
+def test_the_finiteness_check_of_update_weights_reads_large_weights_in_pieces():
+    """update_weights checks a 2 GiB embedding in pieces (a bounded boolean temporary); the pieces cover every
+    element once, so a NaN in the last one is still seen."""
+    from rlk3.engine.engine import _chunks, _finite_flags
+
+    t = torch.arange(37, dtype=torch.float32).reshape(37, 1)
+    pieces = _chunks(t, 8)
+    assert [p.numel() for p in pieces] == [8, 8, 8, 8, 5]
+    assert torch.equal(torch.cat(pieces), t.view(-1))
+    t[36, 0] = float("nan")
+    assert [bool(f) for f in _finite_flags(t)] == [False]  # the default piece size: one piece here
+    assert [bool(torch.isfinite(p).all()) for p in _chunks(t, 8)] == [True] * 4 + [False]
+    assert [p.shape for p in _chunks(t.reshape(1, 37).t().t().expand(2, 37), 8)] == [torch.Size([2, 37])]

@@ -5,6 +5,7 @@ rank with nothing to train in a minibatch, and full-state checkpoints that round
 from __future__ import annotations
 
 import copy
+import faulthandler
 import os
 import socket
 import sys
@@ -57,6 +58,7 @@ def run(cfg: TrainConfig, trajs: list[Trajectory], steps: int, device: str = "cp
 
 
 def _rank(rank: int, world: int, port: int, cases: dict, out_dir: str, device: str = "cpu") -> None:
+    faulthandler.enable(all_threads=True)  # a rank that crashes prints where each of its threads was
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # TF32 noise would be amplified by AdamW's sign-like steps
