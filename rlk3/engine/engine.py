@@ -1111,8 +1111,9 @@ class RolloutEngine:
             return FinishReason.STOP
         if p.stop:
             # the stop string must appear in this turn's output; a window of recent tokens suffices, each token
-            # being at least one byte of text
-            window = req.tokens[req.turn_start :][-(4 * max(len(s) for s in p.stop) + 8) :]
+            # being at least one byte of text (sliced from its start: copying the whole turn first made a long
+            # generation's stop checks quadratic)
+            window = req.tokens[max(req.turn_start, len(req.tokens) - (4 * max(len(s) for s in p.stop) + 8)) :]
             text = self.tokenizer.decode(window)
             if any(s in text for s in p.stop):
                 return FinishReason.STOP

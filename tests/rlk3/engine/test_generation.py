@@ -154,6 +154,21 @@ def test_stop_tokens_and_stop_strings(tiny):
     res = engine.generate([p], SamplingParams(max_tokens=30, temperature=0, stop=[target]))[0]
     assert res.finish_reason == FinishReason.STOP and res.token_ids == free.token_ids[:end]
 
+    class Recording(Letters):  # every stop check decodes a bounded window of this turn's tokens, never the prompt
+        windows: list[list[int]] = []
+
+        def decode(self, ids):
+            self.windows.append(list(ids))
+            return super().decode(ids)
+
+    rec = Recording()
+    engine = RolloutEngine(tiny, EngineConfig(memory_bytes=16 * 2**20), tokenizer=rec)
+    res = engine.generate([p], SamplingParams(max_tokens=30, temperature=0, stop=["0"]))[0]  # never in the text
+    assert res.finish_reason == FinishReason.LENGTH and res.token_ids == free.token_ids
+    assert len(rec.windows) == 30
+    for n, window in enumerate(rec.windows, 1):
+        assert window == free.token_ids[max(0, n - (4 * 1 + 8)) : n]
+
 
 @pytest.mark.parametrize("sampler", ["generator", "counter"])  # sampling.py: both keep these guarantees
 def test_top_k_one_is_greedy_and_top_p_restricts_support(tiny, sampler):
