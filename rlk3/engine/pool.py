@@ -124,6 +124,18 @@ def budget_bytes(memory_bytes: int | None, memory_fraction: float | None, device
     return int(free * memory_fraction)
 
 
+def device_free_bytes(device: torch.device) -> int | None:
+    """Bytes a new allocation can take on ``device``: CUDA's free memory plus what PyTorch's caching allocator
+    holds unused; on the CPU, ``MemAvailable``. None where it cannot be read."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    try:
+        return _cpu_available_bytes()
+    except PoolError:
+        return None
+
+
 def _cpu_available_bytes() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -164,8 +176,22 @@ class PagedPool:
         self._zero_pending = []  # free pages: nothing to zero
 
     def reacquire(self) -> None:
-        # zeros, not empty: a masked-out slot read as 0 × NaN would still poison a softmax or a decayed state
-        self.storage = torch.zeros(self.num_pages, self.layout.page_bytes, dtype=torch.uint8, device=self.device)
+        nbytes = self.num_pages * self.layout.page_bytes
+        free = device_free_bytes(self.device)
+        # refused up front: on CUDA the allocation would fail with a bare out-of-memory error, and on the CPU an
+        # overcommitted one would succeed and get the process killed once the pages are touched
+        if free is not None and nbytes > free:
+            raise PoolError(f"the pool needs {nbytes} bytes ({nbytes / 2**30:.2f} GiB) but {self.device} has "
+                            f"{free} bytes ({free / 2**30:.2f} GiB) free; lower memory_bytes, or set "
+                            f"memory_fraction instead")
+        try:
+            # zeros, not empty: a masked-out slot read as 0 × NaN would still poison a softmax or a decayed state
+            self.storage = torch.zeros(self.num_pages, self.layout.page_bytes, dtype=torch.uint8, device=self.device)
+        except (torch.OutOfMemoryError, RuntimeError) as e:  # free memory went down since it was read
+            if "memory" not in str(e).lower():
+                raise
+            raise PoolError(f"allocating the pool's {nbytes} bytes on {self.device} failed: {e}; lower memory_bytes"
+                            f" or memory_fraction") from e
         self.refcount = [0] * self.num_pages
         self._free = list(range(self.num_pages - 1, -1, -1))  # a stack: low page ids are handed out first
         self._views: dict[tuple[str, int], torch.Tensor] = {}

@@ -185,6 +185,32 @@ def test_model_and_pool_errors(tiny):
     msg = r"a pool budget of 100000 bytes holds 4 pages of 24576 bytes; one request needs at least 7 \(a KDA slot"
     with pytest.raises(PoolError, match=msg):
         RolloutEngine(tiny, EngineConfig(memory_bytes=100_000))
+    # more than the machine has: refused before allocating (on the CPU an overcommitted pool would be killed later)
+    with pytest.raises(PoolError, match=r"the pool needs \d+ bytes \(1048576.00 GiB\) but cpu has \d+ bytes "
+                                        r"\([\d.]+ GiB\) free; lower memory_bytes, or set memory_fraction instead"):
+        RolloutEngine(tiny, EngineConfig(memory_bytes=2**50))
+
+
+def test_reacquire_memory_refuses_a_pool_the_device_cannot_hold_and_can_retry(tiny, monkeypatch):
+    """After release_memory the trainer may still hold the memory: reacquire_memory says so instead of dying, the
+    engine stays released (step refuses), and a later reacquire, once memory is back, generates as before."""
+    from rlk3.engine import pool as pool_mod
+
+    engine = RolloutEngine(tiny, EngineConfig(memory_bytes=16 * 2**20))
+    sp = SamplingParams(max_tokens=5, temperature=0)
+    before = engine.generate([prompt(20, seed=3)], sp)[0].token_ids
+    engine.release_memory()
+    monkeypatch.setattr(pool_mod, "_cpu_available_bytes", lambda: 2**20)  # the trainer holds the rest
+    with pytest.raises(PoolError, match=r"the pool needs 16\d{6} bytes \(0.02 GiB\) but cpu has 1048576 bytes"):
+        engine.reacquire_memory()
+    engine.add_request(prompt(20, seed=3), sp, request_id="later")
+    with pytest.raises(EngineError, match="the pool was released"):
+        engine.step()
+    monkeypatch.undo()
+    engine.reacquire_memory()
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.result("later").token_ids == before
 
 
 def test_generate_rejects_mismatched_sampling(engine):
