@@ -10,6 +10,7 @@ import os
 import socket
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -57,8 +58,11 @@ def run(cfg: TrainConfig, trajs: list[Trajectory], steps: int, device: str = "cp
     return {"metrics": metrics, "weights": weights, "restored": restored, "opt_steps": fresh.opt_steps}
 
 
-def _rank(rank: int, world: int, port: int, cases: dict, out_dir: str, device: str = "cpu") -> None:
+def _rank(rank: int, world: int, port: int, cases: dict, out_dir: str, device: str = "cpu",
+          abort: bool = False) -> None:
     faulthandler.enable(all_threads=True)  # a rank that crashes prints where each of its threads was
+    if abort and rank == world - 1:  # the retry's own test: a rank that dies of a signal
+        os.abort()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # TF32 noise would be amplified by AdamW's sign-like steps
@@ -93,22 +97,51 @@ CASES = {
 }
 
 
-def spawn_ranks(out, device: str = "cpu", deadline_s: float = 300, world: int = 2) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
-    ctx = mp.start_processes(_rank, args=(world, _free_port(), CASES, str(out), device), nprocs=world, join=False,
-                             start_method="spawn")
-    deadline = time.time() + deadline_s
-    while not ctx.join(timeout=5):
-        if time.time() > deadline:  # a collective one rank never reached hangs: fail instead of waiting forever
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"data-parallel ranks did not finish in {deadline_s:.0f} s (mismatched collectives?)")
-    return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in CASES}
+def spawn_ranks(out, device: str = "cpu", deadline_s: float = 300, world: int = 2, crashes_allowed: int = 1,
+                cases: dict = CASES, abort_attempts: tuple[int, ...] = ()) -> dict:
+    """Runs CASES on ``world`` spawned ranks; what rank 0 saved, by case.
+
+    A rank killed by a signal is run again, once, with a warning: on gloo (CPU) a rank has died of heap corruption
+    ("free(): invalid pointer", SIGABRT; SIGSEGV once in CI) about once in 250 runs of this fixture, right after
+    finishing a case, in a process that runs only torch and gloo code (rlk3's C kernels are not loaded by the
+    trainer). docs/rl.md ("Known issues") keeps the count. A failure that repeats, an exception or an exit code
+    is not retried."""
+    for attempt in range(crashes_allowed + 1):
+        run_dir = out / f"attempt{attempt}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        ctx = mp.start_processes(_rank, args=(world, _free_port(), cases, str(run_dir), device,
+                                              attempt in abort_attempts), nprocs=world, join=False,
+                                 start_method="spawn")
+        deadline = time.time() + deadline_s
+        try:
+            while not ctx.join(timeout=5):
+                if time.time() > deadline:  # a collective one rank never reached hangs: fail, not wait forever
+                    for p in ctx.processes:
+                        p.kill()
+                    pytest.fail(f"data-parallel ranks did not finish in {deadline_s:.0f} s (mismatched collectives?)")
+        except mp.ProcessExitedException as e:
+            if e.signal_name is None or attempt == crashes_allowed:
+                raise
+            warnings.warn(f"data-parallel rank {e.error_index} died of {e.signal_name} (attempt {attempt + 1}); "
+                          f"running the ranks again (see spawn_ranks)", stacklevel=2)
+            continue
+        return {name: torch.load(run_dir / f"{name}.pt", weights_only=False) for name in cases}
+    raise AssertionError("unreachable")
 
 
 @pytest.fixture(scope="module")
 def parallel_results(tmp_path_factory):
     return spawn_ranks(tmp_path_factory.mktemp("dp"))
+
+
+def test_a_rank_killed_by_a_signal_is_run_again_once(tmp_path):
+    """The fixture's retry (spawn_ranks): one crash is run again with a warning, two are a failure."""
+    odd = {"odd": CASES["odd"]}
+    with pytest.warns(UserWarning, match="data-parallel rank 1 died of SIGABRT \\(attempt 1\\); running the ranks"):
+        got = spawn_ranks(tmp_path / "once", cases=odd, abort_attempts=(0,))
+    assert got["odd"]["opt_steps"] == 4  # 2 iterations x 2 minibatches: the rerun trained
+    with pytest.warns(UserWarning), pytest.raises(mp.ProcessExitedException, match="signal SIGABRT"):
+        spawn_ranks(tmp_path / "twice", cases=odd, abort_attempts=(0, 1))
 
 
 def same_update(a: dict, b: dict, rel: float = 1e-3) -> float:
