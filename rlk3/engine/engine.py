@@ -186,8 +186,9 @@ def _check_weights(items: list, params: dict[str, torch.Tensor]) -> None:
             flags.setdefault(tensor.device, []).extend(_finite_flags(tensor))
     # one read-back per device, not one per tensor; the names are looked up only when something is wrong
     if any(not bool(torch.stack(f).all()) for f in flags.values()):
-        bad = [(n, sum(int((~torch.isfinite(part)).sum()) for part in _chunks(t))) for n, t in items
-               if t.is_floating_point() and not all(bool(f) for f in _finite_flags(t))]
+        counts = [(n, sum(int((~torch.isfinite(part)).sum()) for part in _chunks(t))) for n, t in items
+                  if t.is_floating_point()]
+        bad = [(n, k) for n, k in counts if k]
         listed = ", ".join(f"{n!r} ({k} of {params[n].numel()})" for n, k in bad[:5])
         raise ValueError(f"update_weights: non-finite values (NaN or inf) in {len(bad)} weight(s): {listed}"
                          f"{', ...' if len(bad) > 5 else ''}; nothing was copied")
@@ -198,8 +199,7 @@ def _chunks(t: torch.Tensor, n: int = 1 << 26) -> list[torch.Tensor]:
     check's boolean temporary stays at 64 MiB even for a 2 GiB embedding."""
     if not t.is_contiguous() or t.numel() <= n:
         return [t]
-    flat = t.view(-1)
-    return [flat[i : i + n] for i in range(0, flat.numel(), n)]
+    return list(t.view(-1).split(n))
 
 
 def _finite_flags(t: torch.Tensor) -> list[torch.Tensor]:

@@ -117,10 +117,9 @@ def budget_bytes(memory_bytes: int | None, memory_fraction: float | None, device
     """The pool budget: an explicit byte count, or a fraction of what the device has free right now."""
     if memory_bytes is not None:
         return int(memory_bytes)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-    else:
-        free = _cpu_available_bytes()
+    free = device_free_bytes(device)
+    if free is None:
+        raise PoolError("memory_fraction on CPU needs /proc/meminfo's MemAvailable; set memory_bytes instead")
     return int(free * memory_fraction)
 
 
@@ -130,18 +129,18 @@ def device_free_bytes(device: torch.device) -> int | None:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return _cpu_available_bytes()
+
+
+def _cpu_available_bytes() -> int | None:
     try:
-        return _cpu_available_bytes()
-    except PoolError:
-        return None
-
-
-def _cpu_available_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise PoolError("memory_fraction on CPU needs /proc/meminfo's MemAvailable; set memory_bytes instead")
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 class PagedPool:
@@ -187,7 +186,7 @@ class PagedPool:
         try:
             # zeros, not empty: a masked-out slot read as 0 × NaN would still poison a softmax or a decayed state
             self.storage = torch.zeros(self.num_pages, self.layout.page_bytes, dtype=torch.uint8, device=self.device)
-        except (torch.OutOfMemoryError, RuntimeError) as e:  # free memory went down since it was read
+        except RuntimeError as e:  # free memory went down since it was read (torch.OutOfMemoryError is one too)
             if "memory" not in str(e).lower():
                 raise
             raise PoolError(f"allocating the pool's {nbytes} bytes on {self.device} failed: {e}; lower memory_bytes"

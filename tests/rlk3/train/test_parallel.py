@@ -99,12 +99,12 @@ CASES = {
 
 def spawn_ranks(out, device: str = "cpu", deadline_s: float = 300, world: int = 2, crashes_allowed: int = 1,
                 cases: dict = CASES, abort_attempts: tuple[int, ...] = ()) -> dict:
-    """Runs CASES on ``world`` spawned ranks; what rank 0 saved, by case.
+    """Runs ``cases`` on ``world`` spawned ranks; what rank 0 saved, by case.
 
     A rank killed by a signal is run again, once, with a warning: on gloo (CPU) a rank has died of heap corruption
-    ("free(): invalid pointer", SIGABRT; SIGSEGV once in CI) about once in 250 runs of this fixture, right after
+    (SIGSEGV once in CI; "free(): invalid pointer", SIGABRT, once in about 230 local runs), right after
     finishing a case, in a process that runs only torch and gloo code (rlk3's C kernels are not loaded by the
-    trainer). docs/rl.md ("Known issues") keeps the count. A failure that repeats, an exception or an exit code
+    trainer). docs/rl.md ("Known issue") keeps the count. A failure that repeats, an exception or an exit code
     is not retried."""
     for attempt in range(crashes_allowed + 1):
         run_dir = out / f"attempt{attempt}"
