@@ -147,6 +147,43 @@ def test_cuda_graphs_survive_weight_updates_and_pool_release():
     engine.check_invariants()
 
 
+def test_cuda_memory_checks_count_the_caching_allocator_and_refuse_cleanly():
+    """On CUDA: ``memory_fraction`` and the pool's free-memory check count the caching allocator's unused reserve
+    as free (``device_free_bytes``); a pool larger than the device is a PoolError naming both sizes, not a bare
+    out-of-memory error; a NaN in ``update_weights`` on CUDA tensors is refused with nothing copied."""
+    from rlk3.engine.pool import PoolError, device_free_bytes
+
+    dev = torch.device("cuda")
+    held = torch.empty(2**30, dtype=torch.uint8, device=dev)  # 1 GiB reserved by the allocator...
+    del held  # ...and unused: free for a pool, though cudaMemGetInfo does not count it
+    free = device_free_bytes(dev)
+    assert free - torch.cuda.mem_get_info(dev)[0] >= 2**30
+    model = make_model("k3-tiny", torch.float32)
+    engine = RolloutEngine(model, EngineConfig(memory_fraction=0.05, cuda_graphs=False, compile=False))
+    budget = engine.pool.budget
+    assert 0.045 * free <= budget <= 0.05 * free
+    total = torch.cuda.get_device_properties(dev).total_memory
+    with pytest.raises(PoolError, match=r"the pool needs \d+ bytes .* but cuda(:\d)? has \d+ bytes"):
+        RolloutEngine(model, EngineConfig(memory_bytes=2 * total, cuda_graphs=False, compile=False))
+    engine.release_memory()
+    hog = torch.empty(free - budget // 2, dtype=torch.uint8, device=dev)  # the trainer takes the memory back
+    with pytest.raises(PoolError, match="the pool needs"):
+        engine.reacquire_memory()
+    del hog
+    engine.reacquire_memory()
+    prompts = make_prompts(model.config.vocab_size, [10, 20])
+    before = engine.generate(prompts, SamplingParams(max_tokens=4, temperature=0))
+    bad = {k: v.clone() for k, v in model.state_dict().items()}
+    name = "lm_head.weight"
+    bad[name][0, 0] = float("nan")
+    weights = model.lm_head.weight.detach().clone()
+    with pytest.raises(ValueError, match=rf"'{name}' \(1 of \d+\); nothing was copied"):
+        engine.update_weights(bad, version=1)
+    assert torch.equal(model.lm_head.weight, weights) and engine.version == 0
+    again = engine.generate(prompts, SamplingParams(max_tokens=4, temperature=0))
+    assert [r.token_ids for r in again] == [r.token_ids for r in before]
+
+
 def test_async_decode_on_cuda_gives_what_the_synchronous_engine_gives():
     """test_async_decode.py's workload (arrivals, stop tokens, pause/resume, a weight update, extend) with the CUDA
     defaults — graphs, compiled blocks, the counter sampler — where steps really run ahead of their read-back:
