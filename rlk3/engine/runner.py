@@ -174,11 +174,6 @@ def decode_conv_indices(n: int, kernel: int, device) -> tuple[torch.Tensor, torc
     return torch.cat([cache_rows, n * kernel + t], dim=1), torch.cat([cache_rows[:, 1:], n * kernel + t], dim=1)
 
 
-# A KDA split's phase 1 (``KdaSplit``: the rows after each checkpoint boundary, recomputed from the checkpoint) runs
-# through the token-by-token kernel up to this many rows (padding included), chunked KDA above. An agent turn's
-# split leaves the tail of its prompt after the boundary, tens to a few hundred rows.
-SPLIT_RECURRENT_ROWS = 256
-
 # Under ``compile``, a MoE layer computes every expert for every token (``dense_experts``: static shapes, no host
 # synchronisation, so the whole block compiles into a few fused kernels) while tokens × experts stays under this;
 # larger steps batch the experts eagerly (``grouped_experts``).
@@ -377,11 +372,8 @@ class ModelRunner:
         if (b.prefill_lens or b.pad is not None) and sp is not None:
             x = (q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:])
             o0 = self._chunk(attn, x, states, page_col, sp.init0, sp.final0, sp.cu0, sp.cu0_cpu, b, kwargs)
-            x1 = [t[sp.rows1] for t in x]
-            if sp.rows1.shape[0] <= SPLIT_RECURRENT_ROWS:
-                o1 = self._recurrent(x1, states, page_col, sp.init1, sp.final1, sp.cu1, sp.cu1_cpu, kwargs)
-            else:
-                o1 = self._chunk(attn, x1, states, page_col, sp.init1, sp.final1, sp.cu1, sp.cu1_cpu, b, kwargs)
+            o1 = self._chunk(attn, [t[sp.rows1] for t in x], states, page_col, sp.init1, sp.final1, sp.cu1,
+                             sp.cu1_cpu, b, kwargs)
             outs.append(torch.where(sp.take1[:, None, None] != 0, o1[sp.pos1], o0))
         elif b.prefill_lens or b.pad is not None:
             cu, cu_cpu = b.prefill_offsets
@@ -401,17 +393,6 @@ class ModelRunner:
                             cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, safe_gate=attn.bounded, chunk_size=attn.chunk_size,
                             **graph, **kwargs)
         states[final[:, col]] = last
-        return o[0]
-
-    def _recurrent(self, x, states, col: int, init, final, cu, cu_cpu, kwargs) -> torch.Tensor:
-        """The same as ``_chunk`` through the token-by-token kernel, for a split's few rows after its boundary (phase
-        1 of ``KdaSplit``): each segment's state is copied from slot ``init`` to slot ``final`` and advanced there
-        in place. One kernel instead of chunked KDA's ten or so, which over a turn's short tail cost about as much
-        as over 2,048 rows (docs/BENCHMARKS.md)."""
-        src, dst = init[:, col], final[:, col]
-        states[dst] = states[src]
-        o = fused_recurrent_kda_pool(*(t[None] for t in x), states, dst, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
-                                     check_unique=False, **kwargs)
         return o[0]
 
     # -- MLA

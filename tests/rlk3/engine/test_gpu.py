@@ -4,6 +4,7 @@ reference path, and CUDA-graph decode equals eager decode. The kernels' own unit
 tests/rlk3/model/ops/test_kda_pool.py and test_mla_paged.py; the numbers behind the bounds below come from
 bench/engine_gpu_numerics.py (docs/BENCHMARKS.md, "GPU tests")."""
 
+import gc
 import json
 import os
 import subprocess
@@ -154,6 +155,7 @@ def test_cuda_memory_checks_count_the_caching_allocator_and_refuse_cleanly():
     from rlk3.engine.pool import PoolError, device_free_bytes
 
     dev = torch.device("cuda")
+    torch.cuda.empty_cache()
     held = torch.empty(2**30, dtype=torch.uint8, device=dev)  # 1 GiB reserved by the allocator...
     del held  # ...and unused: free for a pool, though cudaMemGetInfo does not count it
     free = device_free_bytes(dev)
@@ -170,6 +172,9 @@ def test_cuda_memory_checks_count_the_caching_allocator_and_refuse_cleanly():
     with pytest.raises(PoolError, match="the pool needs"):
         engine.reacquire_memory()
     del hog
+    # or the caching allocator keeps the hog's memory from the tests after this one (on an H100, the child process
+    # of test_cuda_without_fla_runs_the_torch_path_eagerly then ran out of memory)
+    torch.cuda.empty_cache()
     engine.reacquire_memory()
     prompts = make_prompts(model.config.vocab_size, [10, 20])
     before = engine.generate(prompts, SamplingParams(max_tokens=4, temperature=0))
@@ -182,6 +187,9 @@ def test_cuda_memory_checks_count_the_caching_allocator_and_refuse_cleanly():
     assert torch.equal(model.lm_head.weight, weights) and engine.version == 0
     again = engine.generate(prompts, SamplingParams(max_tokens=4, temperature=0))
     assert [r.token_ids for r in again] == [r.token_ids for r in before]
+    del engine
+    gc.collect()  # the engine's pool sits in a reference cycle
+    torch.cuda.empty_cache()
 
 
 def test_async_decode_on_cuda_gives_what_the_synchronous_engine_gives():

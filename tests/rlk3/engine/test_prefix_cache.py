@@ -236,39 +236,6 @@ def test_checkpoints_taken_inside_a_step_change_no_result(tiny, backend, padded,
     assert after.kernels == ("cpu" if backend == "auto" else "torch")
 
 
-@pytest.mark.parametrize("padded", [False, True], ids=["plain", "padded"])
-def test_a_splits_rows_after_its_boundary_run_token_by_token_or_chunked_alike(tiny, padded, monkeypatch):
-    """Phase 1 of a KDA split (the rows after the checkpoint boundary) runs through the token-by-token kernel up to
-    ``SPLIT_RECURRENT_ROWS`` rows and through chunked KDA above: both give the same tokens and log-probs (fp32, 1e-6)
-    and the same checkpoints (later hits restore them)."""
-    from rlk3.engine import runner
-
-    cfg = EngineConfig(memory_bytes=16 * 2**20, max_tokens_per_step=256, prefill_chunk=64, prefix_block_tokens=64,
-                       checkpoint_interval=64, backend="torch", prefill_graphs=padded)
-    calls = []
-    recurrent = runner.ModelRunner._recurrent
-
-    def counted(self, *args):
-        calls.append(args[0][0].shape[0])
-        return recurrent(self, *args)
-
-    monkeypatch.setattr(runner.ModelRunner, "_recurrent", counted)
-    runs, default = {}, runner.SPLIT_RECURRENT_ROWS
-    for limit in (default, 0):
-        monkeypatch.setattr(runner, "SPLIT_RECURRENT_ROWS", limit)
-        engine = RolloutEngine(tiny, EngineConfig(**cfg.__dict__))
-        runs[limit] = (_conversation(engine), engine.stats())
-        engine.check_invariants()
-        if limit:
-            taken, calls[:] = len(calls), []
-    (got, stats), (want, ref) = runs[default], runs[0]
-    assert taken >= stats.split_checkpoints > 0 and not calls  # every split's phase 1 recurrent, then none
-    for a, b in zip(got, want, strict=True):
-        assert a.token_ids == b.token_ids
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= 1e-6
-    assert stats.prefix_cache.hit_tokens == ref.prefix_cache.hit_tokens > 0
-
-
 def test_a_checkpoint_without_room_ends_the_chunk_at_its_boundary(tiny, monkeypatch):
     """When no slot can be reserved for a checkpoint inside a chunk (the pool full even after evicting), the chunk ends
     at the boundary, as with ``checkpoint_in_step`` off: the same steps and results, nothing reserved or leaked."""

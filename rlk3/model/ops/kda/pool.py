@@ -17,8 +17,8 @@ from rlk3.model.ops.kda.gate import kda_gate
 from rlk3.model.ops.kda.naive import naive_recurrent_kda
 
 
-def _check_pool(q, v, state_pool, state_indices, state_v_first, fn, N):
-    K = q.shape[-1]
+def _check_pool(q, v, state_pool, state_indices, state_v_first, fn):
+    N, _, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     want = (HV, V, K) if state_v_first else (HV, K, V)
     if state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != want:
@@ -66,29 +66,22 @@ def fused_recurrent_kda_pool(
     state_v_first: bool = False,
     backend: str | None = None,
     check_unique: bool = True,
-    cu_seqlens: torch.Tensor | None = None,
-    cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """N sequences of T tokens (usually T = 1: one decode step each). q, k ``[N, T, H, K]``; v ``[N, T, HV, V]``;
     g ``[N, T, HV, K]``; beta ``[N, T, HV]``; ``state_pool [P, HV, V, K]`` fp32 (V-first) or ``[P, HV, K, V]``;
     ``state_indices [N]``: the slot of each sequence, all distinct. The selected slots are advanced by the T tokens
     in place; every other slot is left untouched. Returns ``o [N, T, HV, V]``.
 
-    With ``cu_seqlens`` (``[N + 1]`` offsets, as ``chunk_kda`` takes them) the N sequences are flattened into
-    ``[1, sum(T), ...]`` and may differ in length (empty ones included); ``cu_seqlens_cpu`` is its host copy, which
-    the checks read instead of waiting for the GPU (and which makes the call capturable in a CUDA graph).
-
     ``check_unique`` verifies that no slot is selected twice (a CPU sync on GPU; CUDA-graph capture turns it off).
     """
     fn = "fused_recurrent_kda_pool"
     check_inputs(
-        q, k, v, g, beta, initial_state=None, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        q, k, v, g, beta, initial_state=None, state_v_first=state_v_first, cu_seqlens=None,
         use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
         allow_neg_eigval=allow_neg_eigval, safe_gate=False, lower_bound=lower_bound, A_log=A_log,
-        dt_bias=dt_bias, fn=fn, cu_seqlens_cpu=cu_seqlens_cpu,
+        dt_bias=dt_bias, fn=fn,
     )
-    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    _check_pool(q, v, state_pool, state_indices, state_v_first, fn, N)
+    _check_pool(q, v, state_pool, state_indices, state_v_first, fn)
     if check_unique and torch.unique(state_indices).numel() != state_indices.numel():
         raise ValueError(f"{fn}: `state_indices` selects a slot twice: {state_indices.tolist()}")
     kwargs = dict(
@@ -107,20 +100,8 @@ def fused_recurrent_kda_pool(
         indices = state_indices if T == 1 else state_indices[:, None].expand(-1, T).contiguous()
         o, _ = fused_recurrent_kda_fwd(
             q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
-            initial_state=state_pool, inplace_final_state=True, ssm_state_indices=indices, cu_seqlens=cu_seqlens,
-            **kwargs,
+            initial_state=state_pool, inplace_final_state=True, ssm_state_indices=indices, **kwargs,
         )
-        return o
-    if cu_seqlens is not None:  # the reference: one sequence at a time
-        offs = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
-        o = torch.zeros_like(v)
-        for n in range(N):
-            a, b = offs[n], offs[n + 1]
-            if b > a:
-                o[:, a:b] = fused_recurrent_kda_pool(
-                    q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], state_pool, state_indices[n : n + 1],
-                    check_unique=False, backend="torch", **kwargs,
-                )
         return o
     idx = state_indices.long()
     S = state_pool.index_select(0, idx)

@@ -58,54 +58,25 @@ def test_pool_rejects_bad_arguments():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("H,K,T,varlen", [(2, 32, 1, False), (8, 128, 1, False), (8, 128, 5, False),
-                                          (8, 128, 5, True)])
-def test_fla_pool_decode_equals_torch_reference(H, K, T, varlen):
+@pytest.mark.parametrize("H,K,T", [(2, 32, 1), (8, 128, 1), (8, 128, 5)])
+def test_fla_pool_decode_equals_torch_reference(H, K, T):
     """FLA's fused recurrent kernel, updating strided state slots in place by index, equals the torch path; with
-    T > 1 tokens a sequence, no state lands in another sequence's slot (FLA's in-place store is per token); with
-    ``cu_seqlens``, sequences of 0 to 2T tokens flattened into one row axis."""
+    T > 1 tokens a sequence, no state lands in another sequence's slot (FLA's in-place store is per token)."""
     N, P = 16, 40
-    q, k, v, g, beta = _inputs(N, 2 * T if varlen else T, H, K, device="cuda")
-    extra = {}
-    if varlen:
-        lens = torch.randint(0, 2 * T + 1, (N,), generator=torch.Generator().manual_seed(5))
-        lens[3] = 0
-        extra = dict(cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).cuda())
-        q, k, v, g, beta = (t.flatten(0, 1)[None, : int(lens.sum())] for t in (q, k, v, g, beta))
+    q, k, v, g, beta = _inputs(N, T, H, K, device="cuda")
     A_log, dt_bias = torch.randn(H, device="cuda") * 0.1, torch.randn(H * K, device="cuda") * 0.1
     pool_fla = _strided_pool(P, H, K, device="cuda")
     pool_ref = pool_fla.clone()
     before = pool_fla.clone()
     idx = torch.randperm(P, device="cuda")[:N]
     o_fla = fused_recurrent_kda_pool(
-        q, k, v, g, beta, pool_fla, idx, A_log=A_log, dt_bias=dt_bias, backend="fla", **extra, **KW
+        q, k, v, g, beta, pool_fla, idx, A_log=A_log, dt_bias=dt_bias, backend="fla", **KW
     )
     o_ref = fused_recurrent_kda_pool(
-        q, k, v, g, beta, pool_ref, idx, A_log=A_log, dt_bias=dt_bias, backend="torch", **extra, **KW
+        q, k, v, g, beta, pool_ref, idx, A_log=A_log, dt_bias=dt_bias, backend="torch", **KW
     )
     assert rel_err(o_fla, o_ref) <= 1e-5
     assert rel_err(pool_fla[idx], pool_ref[idx]) <= 1e-5
     mask = torch.ones(P, dtype=torch.bool, device="cuda")
     mask[idx] = False
     assert torch.equal(pool_fla[mask], before[mask])
-
-
-def test_pool_varlen_equals_one_sequence_at_a_time():
-    """``cu_seqlens``: sequences of different lengths (one empty) flattened into one row axis, each advancing its own
-    slot, as separate dense calls do; other slots untouched."""
-    H, K, P, lens = 2, 16, 9, [3, 0, 5, 1]
-    q, k, v, g, beta = _inputs(1, sum(lens), H, K)
-    A_log, dt_bias = torch.randn(H) * 0.1, torch.randn(H * K) * 0.1
-    pool = _strided_pool(P, H, K)
-    ref = pool.clone()
-    idx = torch.tensor([4, 8, 0, 2])
-    cu = torch.tensor([0, 3, 3, 8, 9])
-    o = fused_recurrent_kda_pool(q, k, v, g, beta, pool, idx, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu, **KW)
-    for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
-        if b > a:
-            o_ref = fused_recurrent_kda_pool(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], ref,
-                                             idx[n : n + 1], A_log=A_log, dt_bias=dt_bias, **KW)
-            assert torch.equal(o[:, a:b], o_ref)
-    assert torch.equal(pool, ref)  # the same slots advanced the same way, every other slot as it was
-    with pytest.raises(ValueError, match=r"one slot per sequence \(N=4\)"):
-        fused_recurrent_kda_pool(q, k, v, g, beta, pool, idx[:3], A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu, **KW)
