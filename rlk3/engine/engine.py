@@ -112,7 +112,8 @@ class EngineStats:
     prefill_tokens: int  # tokens computed in multi-token chunks (prompts, extensions, recomputation)
     decode_tokens: int  # tokens computed one per sequence per step
     generated_tokens: int  # tokens sampled
-    prefill_seconds: float  # forward + sampling time of steps that computed any multi-token chunk
+    prefill_seconds: float  # scheduling (prefix lookups included) + forward + sampling time of steps with any
+    # multi-token chunk
     decode_seconds: float  # ... of steps that computed only single tokens
     overlapped_steps: int  # decode steps launched before the previous one was read back (asynchronous decode)
     padded_prefill_steps: int  # all-prefill steps run padded through the prefill graphs (prefill_graphs)
@@ -454,11 +455,11 @@ class RolloutEngine:
             self._decode_seconds += time.perf_counter() - start
             if after is not None:
                 return finished
+        start = time.perf_counter()  # admission counts: a prefix hit's lookup and restore are part of its prefill
         plan = self.scheduler.schedule()
         if not plan:
             return finished
         self._progress += 1
-        start = time.perf_counter()
         self.pool.flush()  # the slots admitted above are zeroed (a CUDA-graph replay reads the pool without a view)
         if self.async_decode and self._can_overlap(plan):
             reqs = [req for req, _ in plan]

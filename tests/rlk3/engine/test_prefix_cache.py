@@ -1,6 +1,8 @@
 """Acceptance item 3: a shared 2,000-token prefix is not prefilled again (up to one checkpoint interval), and a
 hit never restores a KDA state from the wrong boundary. Also CPU spill and agent-marked turn ends."""
 
+import time
+
 import pytest
 
 from rlk3.engine import EngineConfig, RolloutEngine, SamplingParams
@@ -281,3 +283,22 @@ def test_a_step_that_raises_leaks_no_reserved_checkpoint_slot(tiny, monkeypatch)
     engine.check_invariants()
     want = RolloutEngine(tiny, cfg).generate([prompt(200, seed=5)], GREEDY)[0]
     assert (engine.result(rid).token_ids, engine.result(rid).logprobs) == (want.token_ids, want.logprobs)
+
+
+def test_prefill_seconds_count_the_admission_and_its_prefix_lookup(tiny, monkeypatch):
+    """A prefix hit's lookup and restore happen in the scheduler's admission; ``prefill_seconds`` (what the
+    multi-turn benchmark compares) includes it, so a cached side cannot look faster by moving work there."""
+    engine = RolloutEngine(tiny, EngineConfig(memory_bytes=16 * 2**20))
+    schedule, slept = engine.scheduler.schedule, []
+
+    def slow_admission():
+        if engine.scheduler.waiting:
+            slept.append(1)
+            time.sleep(0.2)
+        return schedule()
+
+    monkeypatch.setattr(engine.scheduler, "schedule", slow_admission)
+    before = engine.stats()
+    engine.generate([prompt(30, seed=1)], SamplingParams(max_tokens=2, temperature=0))
+    after = engine.stats()
+    assert slept == [1] and after.prefill_seconds - before.prefill_seconds >= 0.2
