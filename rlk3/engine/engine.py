@@ -146,6 +146,8 @@ def _token_list(ids, name: str) -> list[int]:
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
         raise ValueError(f"{name} must be a list of token ids, got {type(ids).__name__}")
     out = list(ids)
+    if set(map(type, out)) <= {int}:  # the common case in one C-level pass (an agent re-sends 100K-token lists)
+        return out
     for t in out:
         if isinstance(t, bool) or not isinstance(t, int):
             raise ValueError(f"{name} must contain ints, got {t!r} ({type(t).__name__})")

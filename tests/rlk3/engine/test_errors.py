@@ -2,6 +2,7 @@
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -31,6 +32,10 @@ def test_bad_prompts(engine):
         engine.add_request([])
     with pytest.raises(ValueError, match=r"must contain ints, got 1\.5"):
         engine.add_request([1, 1.5])
+    with pytest.raises(ValueError, match=r"must contain ints, got True \(bool\)"):
+        engine.add_request([1, True])  # an int to isinstance, not a token id
+    with pytest.raises(ValueError, match=r"must contain ints, got (np\.int64\()?7\)? \(int64\)"):
+        engine.add_request([1, np.int64(7)])
     with pytest.raises(ValueError, match="1-D integer tensor"):
         engine.add_request(torch.ones(3))
     with pytest.raises(ValueError, match="list of token ids, got str"):
