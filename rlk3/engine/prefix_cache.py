@@ -33,13 +33,14 @@ from rlk3.engine.pool import PagedPool
 ROOT = b"rlk3-prefix-root"
 
 
-def block_hash(parent: bytes, tokens: list[int], *, tail: bool = False) -> bytes:
+def block_hash(parent: bytes, tokens: list[int] | memoryview, *, tail: bool = False) -> bytes:
     """The chained key of one block: blake2b over the parent's key and the token ids (int64, little-endian); a tail's
-    key is salted apart from any full block's."""
+    key is salted apart from any full block's. ``tokens``: a list of ints, or a view of int64s already packed (the
+    same bytes)."""
     h = hashlib.blake2b(parent, digest_size=16, person=b"rlk3-tail" if tail else b"")
     # array's int64 bytes equal the tensor's (native little-endian) at a quarter of the cost: a re-sent 20K-token
     # conversation hashes 40 blocks in its admission
-    h.update(array.array("q", tokens).tobytes())
+    h.update(tokens if isinstance(tokens, memoryview) else array.array("q", tokens))
     return h.digest()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import enum
 from dataclasses import dataclass, field
 
@@ -60,6 +61,9 @@ class Request:
     num_computed: int = 0  # tokens whose KDA state and MLA entries are in the cache
     num_registered: int = 0  # leading blocks already handed to the prefix cache
     keys: list[bytes] = field(default_factory=list)  # chained hashes of the leading full blocks
+    # the prompt as add_request packed it (int64s) until its blocks are hashed: the hashes read slices of it instead
+    # of packing each block of a re-sent conversation again
+    packed: array.array | None = field(default=None, repr=False)
     priority: int = 0  # admission order: older admitted requests are served and kept first
     num_cached_tokens: int = 0
     cache_version: int = 0  # the weight version its cache was computed under (from num_computed = 0)

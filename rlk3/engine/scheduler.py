@@ -150,9 +150,13 @@ class Scheduler:
     def keys(self, req: Request, blocks: int) -> list[bytes]:
         """The chained hashes of the request's first ``blocks`` blocks (computed once, tokens are append-only)."""
         B = self.block_tokens
+        packed = memoryview(req.packed) if req.packed is not None else None
         while len(req.keys) < blocks:
             b = len(req.keys)
-            req.keys.append(block_hash(req.keys[-1] if b else ROOT, req.tokens[b * B : (b + 1) * B]))
+            ids = packed if packed is not None and (b + 1) * B <= len(packed) else req.tokens
+            req.keys.append(block_hash(req.keys[-1] if b else ROOT, ids[b * B : (b + 1) * B]))
+        if packed is not None and len(req.keys) >= len(packed) // B:
+            req.packed = None  # every full block it holds is hashed
         return req.keys[:blocks]
 
     def admit(self, req: Request, planned: dict) -> bool:

@@ -28,6 +28,11 @@ def test_bad_prompts(engine):
         engine.add_request([1, 4096])
     with pytest.raises(ValueError, match=r"out of the vocabulary \[0, 4096\): min -1"):
         engine.add_request([-1, 3])
+    # beyond int64 (the packed form the range check reads): the same error, not an OverflowError
+    with pytest.raises(ValueError, match=r"out of the vocabulary \[0, 4096\): min 3, max 18446744073709551616"):
+        engine.add_request([3, 2**64])
+    with pytest.raises(ValueError, match=r"out of the vocabulary \[0, 4096\): min -9223372036854775809, max 3"):
+        engine.add_request([-(2**63) - 1, 3])
     with pytest.raises(ValueError, match="prompt_ids is empty"):
         engine.add_request([])
     with pytest.raises(ValueError, match=r"must contain ints, got 1\.5"):

@@ -169,12 +169,13 @@ def test_cuda_memory_checks_count_the_caching_allocator_and_refuse_cleanly():
         RolloutEngine(model, EngineConfig(memory_bytes=2 * total, cuda_graphs=False, compile=False))
     engine.release_memory()
     hog = torch.empty(free - budget // 2, dtype=torch.uint8, device=dev)  # the trainer takes the memory back
-    with pytest.raises(PoolError, match="the pool needs"):
-        engine.reacquire_memory()
-    del hog
-    # or the caching allocator keeps the hog's memory from the tests after this one (on an H100, the child process
-    # of test_cuda_without_fla_runs_the_torch_path_eagerly then ran out of memory)
-    torch.cuda.empty_cache()
+    try:
+        with pytest.raises(PoolError, match="the pool needs"):
+            engine.reacquire_memory()
+    finally:  # even when the check fails: the caching allocator would keep the hog's memory from the tests after
+        # this one (on an H100, the child process of test_cuda_without_fla_runs_the_torch_path_eagerly ran out of it)
+        del hog
+        torch.cuda.empty_cache()
     engine.reacquire_memory()
     prompts = make_prompts(model.config.vocab_size, [10, 20])
     before = engine.generate(prompts, SamplingParams(max_tokens=4, temperature=0))

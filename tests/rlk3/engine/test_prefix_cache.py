@@ -6,6 +6,7 @@ import time
 import pytest
 
 from rlk3.engine import EngineConfig, RolloutEngine, SamplingParams
+from rlk3.engine.prefix_cache import ROOT, block_hash
 from tests.rlk3.engine._oracle import assert_greedy_matches_full_forward, mixed_workload, prompt
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0)
@@ -302,3 +303,28 @@ def test_prefill_seconds_count_the_admission_and_its_prefix_lookup(tiny, monkeyp
     engine.generate([prompt(30, seed=1)], SamplingParams(max_tokens=2, temperature=0))
     after = engine.stats()
     assert slept == [1] and after.prefill_seconds - before.prefill_seconds >= 0.2
+
+
+def test_block_keys_read_the_packed_prompt_and_equal_the_keys_of_its_list(tiny):
+    """``add_request`` packs the prompt into int64s once (its range check reads them) and the admission's block hashes
+    read slices of that instead of packing each block again. The keys must be exactly those of the token list (the
+    blocks registered later, after generated tokens or ``extend``, hash the list), and the packed copy is dropped once
+    every full block in it is hashed."""
+    B = 512
+    engine = RolloutEngine(tiny, EngineConfig(memory_bytes=48 * 2**20, prefix_block_tokens=B))
+    p = prompt(5 * B + 100, seed=30)
+    req = engine.requests[engine.add_request(p, GREEDY)]
+    assert req.packed is not None and list(req.packed) == p
+
+    def chain(n):
+        keys = []
+        for b in range(n):
+            keys.append(block_hash(keys[-1] if b else ROOT, p[b * B : (b + 1) * B]))
+        return keys
+
+    assert engine.scheduler.keys(req, 3) == chain(3)
+    assert req.packed is not None  # blocks 3 and 4 are still to hash from it
+    assert engine.scheduler.keys(req, 5) == chain(5)
+    assert req.packed is None
+    off = RolloutEngine(tiny, EngineConfig(memory_bytes=48 * 2**20, enable_prefix_cache=False))
+    assert off.requests[off.add_request(p, GREEDY)].packed is None  # nothing will hash it
