@@ -3,21 +3,27 @@ release/reacquire cycles; some prompts several times, so that followers share a 
 enough to force waiting, preemption and eviction. The pool never exceeds its budget, its bookkeeping is consistent
 after every step, greedy outputs stay exact, and at the end every page is free again."""
 
+import os
 import random
 
 import pytest
 
 from rlk3.engine import EngineConfig, FinishReason, RequestStatus, RolloutEngine, SamplingParams
-from tests.rlk3.engine._oracle import assert_greedy_matches_full_forward, prompt
+from tests.rlk3.engine._oracle import assert_greedy_matches_full_forward, prompt, resolved_ties
+
+# more seeds by hand: RLK3_STRESS_SEEDS=1,2,3 (docs/engine.md, "Testing": 60 runs of seeds 1-30)
+SEEDS = [int(s) for s in os.environ.get("RLK3_STRESS_SEEDS", "0").split(",")]
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("prefill_graphs", [False, True], ids=["plain", "padded-prefill"])
-def test_randomized_stress_of_500_requests(tiny, prefill_graphs):
+def test_randomized_stress_of_500_requests(tiny, prefill_graphs, seed):
     """``plain``: the engine's CPU default (the CPU kernels). ``padded-prefill``: every all-prefill step padded to a
     bucket (the CUDA default's batches, run eagerly on the torch path whose pieces CUDA captures), its scratch slot
     and page taken from the same small pool."""
-    rng = random.Random(0)
+    rng = random.Random(seed)
+    ties = len(resolved_ties)
     probe = RolloutEngine(tiny, EngineConfig(memory_bytes=4 * 2**20, block_size=16, prefix_block_tokens=16))
     page, slot = probe.layout.page_bytes, probe.layout.pages_per_slot
     budget = page * (7 * slot + 30)  # ~7 requests' KDA state and 480 tokens of MLA blocks
@@ -99,8 +105,11 @@ def test_randomized_stress_of_500_requests(tiny, prefill_graphs):
     assert stats.prefix_cache.hits > 0 and stats.prefix_cache.evictions > 0
     assert stats.shared_prefill_tokens > 0
     assert extended > 50 and released > 100 and checked > 100
+    # a router near-tie taken the other way by the engine's arithmetic (_oracle.py) is rare; many would be a bug
+    assert len(resolved_ties) - ties <= checked // 20, resolved_ties[ties:]
     assert stats.pool.request_pages == 0
-    assert (stats.padded_prefill_steps >= 10) == prefill_graphs  # most steps mix decodes with prefill: unpadded
+    # most steps mix decodes with prefill (unpadded): seed 0 pads 10 or more, other seeds as few as one
+    assert (stats.padded_prefill_steps >= (10 if seed == 0 else 1)) == prefill_graphs
     engine.clear_prefix_cache()
     engine.check_invariants()
     scratch = len(engine._prefill_graphs.scratch) if engine._prefill_graphs is not None else 0
