@@ -12,7 +12,7 @@ import pytest
 from rlk3.engine import EngineConfig, FinishReason, RequestStatus, RolloutEngine, SamplingParams
 from tests.rlk3.engine._oracle import assert_greedy_matches_full_forward, prompt, resolved_ties
 
-# more seeds by hand: RLK3_STRESS_SEEDS=1,2,3 (docs/engine.md, "Testing": 60 runs of seeds 1-30)
+# more seeds by hand: RLK3_STRESS_SEEDS=1,2,3 (docs/engine.md, "Tests and benchmarks": 60 runs of seeds 1-30)
 SEEDS = [int(s) for s in os.environ.get("RLK3_STRESS_SEEDS", "0").split(",")]
 
 
