@@ -16,11 +16,13 @@ from tests.rlk3.engine._oracle import assert_greedy_matches_full_forward, prompt
 SEEDS = [int(s) for s in os.environ.get("RLK3_STRESS_SEEDS", "0").split(",")]
 
 
-def _stress(tiny, seed: int, weight_updates: bool = False, **overrides):
-    """The stress loop (module docstring), every step checked; returns (engine, pages per slot, extensions,
-    releases, greedy results checked against the full forward, seeded results checked against a fresh engine).
-    ``weight_updates``: now and then ``update_weights`` with the same weights under a new version (the prefix cache
-    is invalidated, paused and finished requests keep or recompute their caches: greedy outputs must not change)."""
+def _stress(tiny, seed: int, weight_updates: bool = False, stop_ids: tuple[int, ...] = (), **overrides):
+    """The stress loop (module docstring), every step checked; returns the engine, its pages per slot and counts:
+    ``extended``, ``released``, ``checked`` (greedy results against the full forward), ``reproduced`` (seeded ones
+    against a fresh engine), ``stopped`` (first turns that ended on a stop id). ``weight_updates``: now and then
+    ``update_weights`` with the same weights under a new version (the prefix cache is invalidated, paused and finished
+    requests keep or recompute their caches: greedy outputs must not change). ``stop_ids``: every first turn stops on
+    these."""
     rng = random.Random(seed)
     probe = RolloutEngine(tiny, EngineConfig(memory_bytes=4 * 2**20, block_size=16, prefix_block_tokens=16))
     page, slot = probe.layout.page_bytes, probe.layout.pages_per_slot
@@ -32,20 +34,23 @@ def _stress(tiny, seed: int, weight_updates: bool = False, **overrides):
     engine = RolloutEngine(tiny, EngineConfig(**{**cfg, **overrides}))
     weights = {k: v.clone() for k, v in tiny.state_dict().items()} if weight_updates else None
     systems = [prompt(rng.randint(17, 40), seed=100 + i) for i in range(4)]  # shared prefixes: cache hits
-    added, extended, released = 0, 0, 0
+    added = 0
+    counts = dict(extended=0, released=0, checked=0, reproduced=0, stopped=0)
     greedy = set()
-    checked = reproduced = 0
     recent = []
     seeded: dict[str, SamplingParams] = {}
     alone = RolloutEngine(tiny, EngineConfig(memory_bytes=64 * 2**20, sampler=engine.config.sampler))
 
     def check(res):
-        nonlocal checked, reproduced
         if res.finish_reason == FinishReason.ABORT or not res.token_ids:
             return
+        if res.turn == 0:  # the turn whose SamplingParams carry the stop ids
+            assert not set(res.token_ids[:-1]) & set(stop_ids), res.request_id
+            assert (res.finish_reason == FinishReason.STOP) == (res.token_ids[-1] in stop_ids), res.request_id
+            counts["stopped"] += res.finish_reason == FinishReason.STOP
         if res.request_id in greedy:
             assert_greedy_matches_full_forward(tiny, res.prompt_token_ids, res.token_ids, res.logprobs)
-            checked += 1
+            counts["checked"] += 1
         elif res.request_id in seeded and res.turn == 0:
             # seeded sampling draws what the request draws alone in a fresh engine, whatever shared its steps and
             # through preemption, prefix hits and spill (log-probs loosely: a router near-tie, _oracle.py, may move
@@ -53,7 +58,7 @@ def _stress(tiny, seed: int, weight_updates: bool = False, **overrides):
             ref = alone.generate([res.prompt_token_ids], seeded[res.request_id])[0]
             assert res.token_ids == ref.token_ids[: len(res.token_ids)], res.request_id
             assert max(abs(a - b) for a, b in zip(res.logprobs, ref.logprobs)) < 1e-2, res.request_id
-            reproduced += 1
+            counts["reproduced"] += 1
 
     while added < 500 or engine.requests:
         if added < 500 and rng.random() < 0.6:
@@ -64,7 +69,8 @@ def _stress(tiny, seed: int, weight_updates: bool = False, **overrides):
                 recent = [*recent, p][-4:]
                 is_greedy = rng.random() < 0.5
                 sp = SamplingParams(max_tokens=rng.randint(1, 12), temperature=0.0 if is_greedy else 1.0,
-                                    top_p=rng.choice([1.0, 0.9]), seed=rng.choice([None, added]))
+                                    top_p=rng.choice([1.0, 0.9]), seed=rng.choice([None, added]),
+                                    stop_token_ids=list(stop_ids))
                 rid = engine.add_request(p, sp, turn_ends=[rng.randint(1, len(p))] if rng.random() < 0.2 else ())
                 if is_greedy:
                     greedy.add(rid)
@@ -82,22 +88,22 @@ def _stress(tiny, seed: int, weight_updates: bool = False, **overrides):
             elif status in (RequestStatus.PAUSED, RequestStatus.FINISHED) and action < 0.75:
                 if status == RequestStatus.FINISHED:
                     check(engine.result(rid))
-                engine.extend(rid, prompt(rng.randint(1, 20), seed=5000 + extended),
+                engine.extend(rid, prompt(rng.randint(1, 20), seed=5000 + counts["extended"]),
                               SamplingParams(max_tokens=rng.randint(1, 8), temperature=0.0 if rid in greedy else 1.0))
-                extended += 1
+                counts["extended"] += 1
             elif action < 0.85:
                 engine.abort(rid)
         for rid in [r for r, req in engine.requests.items() if req.status == RequestStatus.FINISHED]:
             roll = rng.random()
             if roll < 0.3 and engine.requests[rid].turn < 3:  # the next turn of a multi-turn conversation
                 check(engine.result(rid))
-                engine.extend(rid, prompt(rng.randint(1, 20), seed=5000 + extended),
+                engine.extend(rid, prompt(rng.randint(1, 20), seed=5000 + counts["extended"]),
                               SamplingParams(max_tokens=rng.randint(1, 8), temperature=0.0 if rid in greedy else 1.0))
-                extended += 1
+                counts["extended"] += 1
             elif roll < 0.9:
                 check(engine.result(rid))
                 engine.release(rid)
-                released += 1
+                counts["released"] += 1
         if added >= 500 and not engine.has_unfinished():  # let the paused ones finish
             for rid, req in list(engine.requests.items()):
                 if req.status == RequestStatus.PAUSED:
@@ -115,7 +121,7 @@ def _stress(tiny, seed: int, weight_updates: bool = False, **overrides):
         assert engine.pool.allocated_bytes <= budget
         assert engine.stats().pool.free_pages >= 0
 
-    return engine, slot, extended, released, checked, reproduced
+    return engine, slot, counts
 
 
 @pytest.mark.slow
@@ -126,13 +132,13 @@ def test_randomized_stress_of_500_requests(tiny, prefill_graphs, seed):
     bucket (the CUDA default's batches, run eagerly on the torch path whose pieces CUDA captures), its scratch slot
     and page taken from the same small pool."""
     ties = len(resolved_ties)
-    engine, slot, extended, released, checked, reproduced = _stress(
-        tiny, seed, prefill_graphs=prefill_graphs, backend="torch" if prefill_graphs else "auto")
-    stats = engine.stats()
+    engine, slot, counts = _stress(tiny, seed, prefill_graphs=prefill_graphs,
+                                   backend="torch" if prefill_graphs else "auto")
+    stats, checked = engine.stats(), counts["checked"]
     assert stats.preemptions > 0, "the pool must have been small enough to force preemption"
     assert stats.prefix_cache.hits > 0 and stats.prefix_cache.evictions > 0
     assert stats.shared_prefill_tokens > 0
-    assert extended > 50 and released > 100 and checked > 100 and reproduced > 50
+    assert counts["extended"] > 50 and counts["released"] > 100 and checked > 100 and counts["reproduced"] > 50
     # a router near-tie taken the other way by the engine's arithmetic (_oracle.py) is rare; many would be a bug
     assert len(resolved_ties) - ties <= checked // 20, resolved_ties[ties:]
     assert stats.pool.request_pages == 0
@@ -154,6 +160,7 @@ CONFIGS = {
     "counter-sampler": dict(sampler="counter"),
     "weight-updates-keep-caches": dict(weight_updates=True, share_prefill=False),
     "weight-updates-recompute": dict(weight_updates=True, recompute_on_weight_update=True),
+    "stop-token-ids": dict(stop_ids=tuple(random.Random(5).sample(range(1, 4096), 200))),  # ~1 in 5 first turns
 }
 
 
@@ -163,9 +170,11 @@ def test_randomized_stress_under_other_configurations(tiny, overrides):
     """The same stress, every step checked, under settings that change what the scheduler and the prefix cache do;
     with weight updates (the same weights under a new version: the cache is invalidated, outputs must not move)."""
     ties = len(resolved_ties)
-    engine, _, extended, released, checked, reproduced = _stress(tiny, 0, **overrides)
-    stats = engine.stats()
-    assert stats.preemptions > 0 and extended > 50 and released > 100 and checked > 100 and reproduced > 50
+    engine, _, counts = _stress(tiny, 0, **overrides)
+    stats, checked = engine.stats(), counts["checked"]
+    assert stats.preemptions > 0 and counts["extended"] > 50 and counts["released"] > 100
+    assert checked > 100 and counts["reproduced"] > 50
+    assert (counts["stopped"] > 50) == ("stop_ids" in overrides)
     assert len(resolved_ties) - ties <= checked // 20, resolved_ties[ties:]
     if overrides.get("weight_updates"):
         assert engine.version > 3
