@@ -704,9 +704,10 @@ class RolloutEngine:
             raise ValueError(f"{name} is empty; at least one token is needed")
         try:
             packed = array.array("q", tokens)
-            lo, hi = (int(x) for x in torch.frombuffer(packed, dtype=torch.long).aminmax())
         except OverflowError:  # beyond int64: out of any vocabulary
-            packed, lo, hi = None, min(tokens), max(tokens)
+            packed = None
+        lo, hi = ((min(tokens), max(tokens)) if packed is None
+                  else (int(x) for x in torch.frombuffer(packed, dtype=torch.long).aminmax()))
         if packed is None or lo < 0 or hi >= self.vocab_size:
             raise ValueError(f"{name} has token ids out of the vocabulary [0, {self.vocab_size}): min {lo}, max {hi}")
         return tokens, packed

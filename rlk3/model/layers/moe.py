@@ -36,17 +36,26 @@ class K3Router(nn.Module):
         self.score_mask: torch.Tensor | None = None
         self._scores: list[torch.Tensor] = []
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x ``[N, hidden]`` → (expert indices ``[N, k]``, routing weights ``[N, k]`` fp32)."""
-        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
-        idx = (scores + self.e_score_correction_bias).topk(self.top_k, dim=-1).indices
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[N, hidden]`` → sigmoid scores ``[N, E]`` fp32 (selection adds ``e_score_correction_bias``)."""
+        return torch.sigmoid(F.linear(x.float(), self.weight.float()))
+
+    def weights(self, scores: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """The routing weights ``[N, k]`` of the chosen experts ``idx``: their scores, renormalised and scaled."""
         w = scores.gather(1, idx)
         if self.renormalize:
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return w * self.scaling
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x ``[N, hidden]`` → (expert indices ``[N, k]``, routing weights ``[N, k]`` fp32)."""
+        scores = self.scores(x)
+        idx = (scores + self.e_score_correction_bias).topk(self.top_k, dim=-1).indices
+        w = self.weights(scores, idx)
         if self.record_scores:
             kept = scores.detach()
             self._scores.append(kept if self.score_mask is None else kept[self.score_mask.to(kept.device)])
-        return idx, w * self.scaling
+        return idx, w
 
     def pop_scores(self) -> torch.Tensor | None:
         """The scores ``[N, E]`` recorded since the last call (what a QB update needs), or None."""

@@ -1,7 +1,6 @@
 """Oracles the engine tests compare against: transformers' generate() and one full forward pass."""
 
 import torch
-import torch.nn.functional as F
 
 from rlk3.engine import SamplingParams
 from rlk3.model.layers.moe import K3Router
@@ -52,17 +51,13 @@ def _routers(model) -> list:
     return [m for m in model.modules() if isinstance(m, K3Router)]
 
 
-def _route(router, x: torch.Tensor, flip: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _route(router, x: torch.Tensor, flip: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``K3Router.forward``'s routing, with row ``flip``'s k-th choice swapped for the (k+1)-th."""
-    scores = torch.sigmoid(F.linear(x.float(), router.weight.float()))
+    scores = router.scores(x)
     order = (scores + router.e_score_correction_bias).topk(router.top_k + 1, dim=-1).indices
     idx = order[:, : router.top_k].clone()
-    if flip is not None:
-        idx[flip, -1] = order[flip, -1]
-    w = scores.gather(1, idx)
-    if router.renormalize:
-        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-    return idx, w * router.scaling
+    idx[flip, -1] = order[flip, -1]
+    return idx, router.weights(scores, idx)
 
 
 @torch.no_grad()
@@ -74,8 +69,7 @@ def _logits(model, tokens: list[int], flip: tuple[int, int] | None = None, gaps:
         def hook(mod, inputs, output, r=r):
             x = inputs[0]
             if gaps is not None:
-                top = (torch.sigmoid(F.linear(x.float(), mod.weight.float())) + mod.e_score_correction_bias)
-                top = top.topk(mod.top_k + 1, dim=-1).values
+                top = (mod.scores(x) + mod.e_score_correction_bias).topk(mod.top_k + 1, dim=-1).values
                 gaps.append(top[:, -2] - top[:, -1])
             if flip is not None and flip[0] == r:
                 return _route(mod, x, flip[1])

@@ -5,7 +5,6 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tests.rlk3.engine import _oracle
 from tests.rlk3.engine._oracle import ROUTER_TIE, assert_greedy_matches_full_forward, prompt
@@ -24,7 +23,7 @@ def _router_input(model, router: int, tokens: list[int]) -> torch.Tensor:
 
 def _selection(router, x: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
-        return torch.sigmoid(F.linear(x.float(), router.weight.float())) + router.e_score_correction_bias
+        return router.scores(x) + router.e_score_correction_bias
 
 
 def _greedy(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
