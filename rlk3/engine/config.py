@@ -64,8 +64,8 @@ class EngineConfig:
     # a tail checkpoint where a finished generation's computed tokens end: an agent loop that re-sends the
     # conversation with the model's reply resumes after the reply instead of recomputing it
     checkpoint_generation_end: bool = True
-    # a checkpoint at a block boundary inside a prefill chunk is taken in the step (KDA in two phases: runner.KdaSplit)
-    # instead of ending the chunk there and computing the rest in another step (both runners)
+    # a checkpoint at a block boundary inside a prefill chunk is taken in the step (read off the chunked kernel's
+    # intermediate states: runner.KdaSplit) instead of ending the chunk there and computing the rest in another step
     checkpoint_in_step: bool = True
     spill_bytes: int = 0  # evicted prefix blocks may spill to CPU memory up to this many bytes (0 = drop them)
     # requests whose prompt equals one being prefilled wait for it and continue from a copy of its cache (KDA state,

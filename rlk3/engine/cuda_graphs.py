@@ -154,13 +154,6 @@ def prefill_bucket(tokens: int, seqs: int, max_tokens: int) -> tuple[int, int] |
     return padded, n
 
 
-def split_rows_bucket(rows: int, tokens: int) -> int:
-    """The padded row count of a padded step's KDA phase 1 (``runner.KdaSplit``): the next power of two from
-    ``PREFILL_MIN_QUANTUM``, at most the step's ``tokens`` (few shapes: the rows after a boundary are a turn's tail,
-    usually short)."""
-    return min(tokens, max(PREFILL_MIN_QUANTUM, 1 << max(0, rows - 1).bit_length()))
-
-
 class _Pieces:
     """One captured prefill shape: its graphs (one more than the MLA layers), the static inputs they read, and for
     each MLA layer the query tensors the piece before it leaves and the buffer the piece after it reads."""
@@ -219,7 +212,7 @@ class PrefillGraphs:
         if not self.capture:
             self._zero_scratch()
             return self.runner.forward(self.pool, batch, attend=self._eager_attend)[: pad.logits]
-        key = (batch.input_ids.shape[0], pad.seqs, pad.splits, pad.split_rows)
+        key = (batch.input_ids.shape[0], pad.seqs, pad.splits)
         pieces = self.pieces.pop(key, None)
         if pieces is None:
             while len(self.pieces) >= PREFILL_MAX_SHAPES:  # the least recently used shape goes
@@ -300,8 +293,8 @@ class PrefillGraphs:
     def _dummy(self, batch: ForwardBatch, static: torch.Tensor) -> ForwardBatch:
         """``batch`` over ``static`` (the same views), rewritten as an all-padding step on the scratch slot."""
         pad = batch.pad
-        T, N, S, R = batch.input_ids.shape[0], pad.seqs, pad.splits, pad.split_rows
-        fields = split_static(static, T, N, self.pool.layout, S, R)
+        T, N, S = batch.input_ids.shape[0], pad.seqs, pad.splits
+        fields = split_static(static, T, N, self.pool.layout, S)
         fields["input_ids"].zero_()
         if fields["slot_pages"].numel():
             fields["slot_pages"][:] = torch.tensor(self.scratch_slot(), device=static.device)
@@ -312,22 +305,22 @@ class PrefillGraphs:
         cu[0] = 0
         fields["cu"].copy_(cu)  # one padding sequence over every token (the conv gathers stay the batch's: in range)
         split = None
-        if S:  # both KDA phases over padding only, every state on the scratch slot
-            for name in ("init0", "final0", "init1", "final1", "ckpt"):
-                if fields[name].numel():
-                    fields[name][:] = torch.tensor(self.scratch_slot(), device=static.device)
-            for name in ("rows1", "pos1", "take1", "conv_rows"):
-                fields[name].zero_()
-            cu0 = torch.cat([torch.zeros(1, dtype=torch.long), torch.full((N + S,), T, dtype=torch.long)])
-            cu1 = torch.cat([torch.zeros(S + 1, dtype=torch.long), torch.full((1,), R, dtype=torch.long)])
-            fields["cu0"].copy_(cu0)
-            fields["cu1"].copy_(cu1)
-            split = KdaSplit(**{f: fields[f] for f in KdaSplit.__dataclass_fields__ if f in fields}, cu0_cpu=cu0,
-                             cu1_cpu=cu1)
+        if S:  # the padded KDA input as one padding sequence too, the checkpoints on the scratch slot
+            rows = batch.kda_split.padded_rows
+            kcu = torch.full((N + 1,), rows, dtype=torch.long)
+            kcu[0] = 0
+            fields["rows"].copy_(torch.arange(T))
+            fields["kda_cu"].copy_(kcu)
+            fields["hidx"].zero_()
+            fields["conv_rows"].zero_()
+            if fields["ckpt"].numel():
+                fields["ckpt"][:] = torch.tensor(self.scratch_slot(), device=static.device)
+            split = KdaSplit(**{f: fields[f] for f in ("rows", "kda_cu", "hidx", "conv_rows", "ckpt")},
+                             padded_rows=rows, cu_cpu=kcu)
         return ForwardBatch(
             input_ids=fields["input_ids"], num_decode=0, prefill_starts=[], prefill_lens=[],
             slot_pages=fields["slot_pages"], block_tables=batch.block_tables[:0], seq_lens=batch.seq_lens[:0],
             write_pages=fields["write_pages"], write_offsets=fields["write_offsets"], logit_rows=fields["logit_rows"],
             conv_src=fields["conv_src"], conv_new=fields["conv_new"], prefill_offsets=(fields["cu"], cu),
-            pad=GraphPad(tokens=0, seqs=N, logits=0, static=static, splits=S, split_rows=R), kda_split=split,
+            pad=GraphPad(tokens=0, seqs=N, logits=0, static=static, splits=S), kda_split=split,
         )

@@ -33,7 +33,7 @@ import torch
 
 from rlk3.engine import runner_cpu
 from rlk3.engine.config import EngineConfig, EngineConfigError, SamplingParams
-from rlk3.engine.cuda_graphs import DecodeGraphs, PrefillGraphs, prefill_bucket, split_rows_bucket
+from rlk3.engine.cuda_graphs import DecodeGraphs, PrefillGraphs, prefill_bucket
 from rlk3.engine.pool import PagedPool, PoolLayout, budget_bytes
 from rlk3.engine.prefix_cache import PrefixCache
 from rlk3.engine.request import FinishReason, GenerationResult, Request, RequestStatus
@@ -253,7 +253,7 @@ class RolloutEngine:
         sampler = config.sampler or ("counter" if self.device.type == "cuda" else "generator")
         self.counter_sampling = sampler == "counter"
         self.runner = self._runner(model, config, compile)
-        # checkpoints inside a chunk need the runner's two-phase KDA (the CPU kernels' runner has none)
+        # checkpoints inside a chunk need a runner that can take them (runner.KdaSplit; every runner here can)
         self.scheduler.split_ok = (config.checkpoint_in_step and self.runner.kda_splits
                                    and self.layout.pages_per_slot > 0)
         self.version = 0
@@ -805,7 +805,7 @@ class RolloutEngine:
         slot_t = _longs(slots).view(n_all, self.layout.pages_per_slot)
         cu = torch.cat([torch.zeros(1, dtype=torch.long), n_seq.cumsum(0)])
         nd = N - len(multi)
-        split = self._kda_split(plan, nd, lens_all, slot_t, row0, len(ids), bucket is not None, conv_rows)
+        split, split_host = self._kda_split(plan, nd, lens_all, slot_t, row0, len(ids), bucket is not None, conv_rows)
         # the fixed-layout part first (runner.static_parts: a prefill graph copies it in one operation)
         parts = [_longs(ids), slot_t, write_pages, write_offsets, _longs(logit_rows),
                  conv_src, conv_new, cu, *split.values(), table, _longs(seq_lens)]
@@ -820,72 +820,55 @@ class RolloutEngine:
             slot_pages=slots_t, block_tables=table_t, seq_lens=seq_lens_t, write_pages=pages_t,
             write_offsets=offsets_t, logit_rows=rows_t, conv_src=src_t, conv_new=new_t,
         )
-        S = R = 0
+        S = 0
         if split:
-            before = {i: req.split_at - req.num_computed for i, (req, _) in enumerate(plan) if req.split_at is not None}
-            batch.kda_split = KdaSplit(**dict(zip(split, views[8:-2])), cu0_cpu=split["cu0"], cu1_cpu=split["cu1"],
-                                       lens_before=[before.get(i, lens_all[i]) for i in range(nd, n_all)])
-            S, R = split["ckpt"].shape[0], split["rows1"].shape[0]
+            batch.kda_split = KdaSplit(**dict(zip(split, views[8:-2])), **split_host)
+            S = split["ckpt"].shape[0]
             self._split_checkpoints += S
         if bucket is not None:
-            fixed = sum(math.prod(shape) for _, shape in static_parts(len(ids), n_all, self.layout, S, R))
+            fixed = sum(math.prod(shape) for _, shape in static_parts(len(ids), n_all, self.layout, S))
             batch.prefill_offsets = (cu_t, cu)
-            batch.pad = GraphPad(tokens=T, seqs=n_all, logits=L, static=buf[:fixed], splits=S, split_rows=R)
+            batch.pad = GraphPad(tokens=T, seqs=n_all, logits=L, static=buf[:fixed], splits=S)
         if has_mla and len(multi) > 1:
             batch.packed = self._packed_groups(multi, starts, lens)
         return batch
 
     def _kda_split(self, plan, nd: int, lens: list[int], slots: torch.Tensor, row0: torch.Tensor, rows: int,
-                   padded: bool, conv_rows) -> dict[str, torch.Tensor]:
+                   padded: bool, conv_rows) -> tuple[dict[str, torch.Tensor], dict]:
         """``KdaSplit``'s tensors (host) for the sequences the scheduler split at a checkpoint boundary inside their
-        chunk (``Request.split_at``), in ``runner.split_parts`` order; empty when there are none. ``lens``, ``slots``
+        chunk (``Request.split_at``), in ``runner.split_parts`` order, and its host fields; empty when there are
+        none. ``lens``, ``slots``
         and ``row0`` cover every sequence of the step (padding ones included), ``rows`` its tokens; ``conv_rows``
-        maps (sequence, first row, chunk inputs) to rows of the conv buffer."""
+        maps (sequence, first row, chunk inputs) to rows of the conv buffer. A padded step's KDA input has room for a
+        chunk of identity rows per checkpoint (a shape that depends only on the count); what a step does not use
+        goes to its padding sequence."""
         at = {i: (req.split_at - req.num_computed, req.split_slot) for i, (req, _) in enumerate(plan)
               if req.split_at is not None}
         if not at:
-            return {}
-        seg0, init0, final0, seg1, rows1, init1, final1, conv, ckpt = [], [], [], [], [], [], [], [], []
-        for i in range(nd, len(lens)):
-            slot = slots[i].tolist()
-            if i not in at:
-                seg0.append(lens[i])
-                init0.append(slot)
-                final0.append(slot)
-                continue
-            a, ck = at[i]
-            first = int(row0[i]) - nd
-            seg0 += [a, lens[i] - a]
-            init0 += [slot, slot]  # the part after the boundary is recomputed in phase 1: its state here is discarded
-            final0 += [ck, slot]
-            seg1.append(lens[i] - a)
-            rows1 += range(first + a, first + lens[i])
-            init1.append(ck)
-            final1.append(slot)
+            return {}, {}
+        C, M = self.runner.kda_chunk_size, len(lens) - nd
+        front = [0] * M  # identity rows in front of each multi-token sequence
+        hidx, conv, ckpt = [], [], []
+        for i, (a, ck) in at.items():
+            front[i - nd] = -a % C  # then the boundary, a rows in, starts a chunk
             conv.append(conv_rows(torch.tensor(i), row0[i], a - self.layout.conv_width + torch.arange(
                 self.layout.conv_width)))
             ckpt.append(ck)
-        P, TB = rows - nd, len(rows1)
-        if padded:  # the rows up to the bucket are one more segment, on the scratch slot
-            R = split_rows_bucket(TB, P)
-            seg1.append(R - TB)
-            rows1 += [0] * (R - TB)
-            init1.append(self._prefill_graphs.scratch_slot())
-            final1.append(self._prefill_graphs.scratch_slot())
-        pos1, take1 = torch.zeros(P, dtype=torch.long), torch.zeros(P, dtype=torch.long)
-        real = _longs(rows1[:TB])
-        pos1[real], take1[real] = torch.arange(TB), 1
+        seg = [n + f for n, f in zip(lens[nd:], front)]
+        if padded:  # the slack up to a chunk per checkpoint: identity rows at the end of the padding sequence
+            seg[len(plan) - nd] += C * len(at) - sum(front)
+        chunks = torch.tensor([0] + [-(-n // C) for n in seg]).cumsum(0)  # each sequence's first chunk in h
+        hidx = [int(chunks[i - nd]) + (front[i - nd] + a) // C for i, (a, _) in at.items()]
+        cu = torch.tensor([0, *seg]).cumsum(0)
+        n = _longs(lens[nd:])
+        shift = (cu[:-1] + _longs(front)) - (row0[nd:] - nd)  # a row's padded place: its own plus its sequence's shift
+        dst = torch.arange(rows - nd) + torch.repeat_interleave(shift, n, output_size=rows - nd)
+        host = dict(padded_rows=int(cu[-1]), cu_cpu=cu,
+                    lens_before=[at[i][0] if i in at else lens[i] for i in range(nd, len(lens))],
+                    lens_after=[lens[i] - at[i][0] if i in at else 0 for i in range(nd, len(lens))])
         pps = self.layout.pages_per_slot
-
-        def offsets(seg):
-            return torch.cat([torch.zeros(1, dtype=torch.long), _longs(seg).cumsum(0)])
-
-        def pages(rows_):
-            return _longs(rows_).view(len(rows_), pps)
-
-        return dict(cu0=offsets(seg0), init0=pages(init0), final0=pages(final0),
-                    rows1=_longs(rows1), cu1=offsets(seg1), init1=pages(init1),
-                    final1=pages(final1), pos1=pos1, take1=take1, conv_rows=torch.stack(conv), ckpt=pages(ckpt))
+        return dict(rows=dst, kda_cu=cu, hidx=_longs(hidx), conv_rows=torch.stack(conv),
+                    ckpt=_longs([p for c in ckpt for p in c]).view(len(ckpt), pps)), host
 
     def _prefill_bucket(self, tokens: int, seqs: int) -> tuple[int, int] | None:
         """The padded shape of an all-prefill step the prefill graphs take, or None (it runs as it is)."""

@@ -32,7 +32,7 @@ from rlk3.engine.pool import PagedPool, PoolLayout
 from rlk3.model.layers.attn_res import AttnResStream, ResidualStream
 from rlk3.model.layers.mla import ABSORB_MAX_QUERY_LEN
 from rlk3.model.layers.moe import StableLatentMoE, add_slots, sum_in_expert_order
-from rlk3.model.ops.kda import chunk_kda, fused_recurrent_kda_pool
+from rlk3.model.ops.kda import IDENTITY_LOGIT, chunk_kda, fused_recurrent_kda_pool
 from rlk3.model.ops.mla import mla_attention, paged_mla_decode, split_kv_b
 
 # Up to this many tokens a MoE layer batches its experts into one matmul per projection (``grouped_experts``; under
@@ -90,40 +90,37 @@ class ForwardBatch:
 @dataclass
 class KdaSplit:
     """KDA checkpoints inside a prefill chunk (``EngineConfig.checkpoint_in_step``): a sequence whose chunk crosses a
-    block boundary that wants a checkpoint runs KDA in two phases instead of ending the step there. Phase 0 is the
-    usual varlen call over every multi-token row, with each split sequence cut into two segments: the part before the
-    boundary, whose final state goes to a fresh checkpoint slot, and the part after, computed from the wrong state
-    and discarded. Phase 1 recomputes the parts after the boundaries from those checkpoints, and their final states
-    are the sequences' own. Everything else in the step (projections, MoE, MLA) runs once. The extra work is KDA over
-    the rows after each boundary; what it saves is a whole step, which on a GPU costs about as much for 128 tokens
-    as for 2,048 (docs/BENCHMARKS.md). Rows are indices into the step's multi-token rows; slot tensors are
-    ``[segments, pages_per_slot]`` like ``ForwardBatch.slot_pages``."""
+    block boundary that wants a checkpoint runs on past it, and the checkpoint is read off the chunked kernel's
+    intermediate states (the state entering each chunk of ``chunk_size`` rows, counted from the sequence's first
+    row). Identity rows (q = k = v = 0, gate and beta logits ``IDENTITY_LOGIT``: they leave the state as it was)
+    in front of a split sequence, ``(start − boundary) mod chunk_size`` of them, put its boundary on that grid. So a
+    step with checkpoints is one KDA call per layer, like a step without: the extra work is the padded copies of
+    the inputs, a gather of the outputs and two small copies per checkpoint, where taking the state in a second
+    call over the rows after the boundary cost ~40 more kernels per layer (docs/BENCHMARKS.md). The checkpoint is
+    in the kernel's dtype for ``h``: FLA keeps its states in fp32 registers and writes ``h`` in the inputs' dtype,
+    so a bf16 model's in-step checkpoints are rounded to bf16 (an fp32 model's are exact).
+    Rows are indices into the step's multi-token rows; slot tensors are ``[n, pages_per_slot]`` like
+    ``ForwardBatch.slot_pages``."""
 
-    cu0: torch.Tensor  # [M + 1] phase 0 segments
-    init0: torch.Tensor  # [M, pps] each segment's initial state
-    final0: torch.Tensor  # [M, pps] where its final state goes
-    rows1: torch.Tensor  # [R] the rows phase 1 computes (each split's rows after its boundary; then padding: row 0)
-    cu1: torch.Tensor  # [S1 + 1] phase 1 segments over rows1
-    init1: torch.Tensor  # [S1, pps]: the checkpoints (padding: the scratch slot)
-    final1: torch.Tensor  # [S1, pps]: the sequences' slots
-    pos1: torch.Tensor  # [P] each multi-token row's index in rows1 (0 when it has none)
-    take1: torch.Tensor  # [P] 1 where the row's output is phase 1's
+    rows: torch.Tensor  # [P] each multi-token row's row in the padded KDA input (the rest: identity rows)
+    kda_cu: torch.Tensor  # [M + 1] the multi-token sequences' offsets in the padded input
+    hidx: torch.Tensor  # [S] each checkpoint's chunk among the kernel's intermediate states
     conv_rows: torch.Tensor  # [S, kernel − 1] rows of the conv buffer (ForwardBatch.conv_src's) before each boundary
     ckpt: torch.Tensor  # [S, pps] the checkpoint slots, which also take those conv rows
-    cu0_cpu: torch.Tensor | None = None  # host copies of the offsets (the torch path and FLA's eager mode read them)
-    cu1_cpu: torch.Tensor | None = None
-    # host: per multi-token sequence, its rows up to its boundary (all of them when it has none): the CPU kernels'
-    # runner (runner_cpu.py) runs those first, copies the states at the boundaries, then the rows after them
+    padded_rows: int = 0  # the padded input's length
+    cu_cpu: torch.Tensor | None = None  # host copy of ``kda_cu`` (the torch path and FLA's eager mode read it)
+    # host, per multi-token sequence: its rows up to its boundary (all of them when it has none) and after it; the
+    # CPU kernels' runner (runner_cpu.py) runs the rows before first, copies the states at the boundaries, then the
+    # rows after them
     lens_before: list[int] | None = None
+    lens_after: list[int] | None = None
 
 
-def split_parts(P: int, N: int, S: int, R: int, S1: int, layout: PoolLayout) -> list[tuple[str, tuple[int, ...]]]:
-    """``KdaSplit``'s tensors (all int64) and shapes for ``P`` multi-token rows, ``N`` multi-token sequences, ``S``
-    splits, ``R`` phase-1 rows in ``S1`` segments: the order of the step's host-to-device buffer."""
-    pps, W, M = layout.pages_per_slot, layout.conv_width, N + S
-    return [("cu0", (M + 1,)), ("init0", (M, pps)), ("final0", (M, pps)), ("rows1", (R,)), ("cu1", (S1 + 1,)),
-            ("init1", (S1, pps)), ("final1", (S1, pps)), ("pos1", (P,)), ("take1", (P,)), ("conv_rows", (S, W)),
-            ("ckpt", (S, pps))]
+def split_parts(P: int, M: int, S: int, layout: PoolLayout) -> list[tuple[str, tuple[int, ...]]]:
+    """``KdaSplit``'s tensors (all int64) and shapes for ``P`` multi-token rows, ``M`` multi-token sequences and
+    ``S`` checkpoints: the order of the step's host-to-device buffer."""
+    pps, W = layout.pages_per_slot, layout.conv_width
+    return [("rows", (P,)), ("kda_cu", (M + 1,)), ("hidx", (S,)), ("conv_rows", (S, W)), ("ckpt", (S, pps))]
 
 
 @dataclass
@@ -141,27 +138,24 @@ class GraphPad:
     logits: int
     static: torch.Tensor
     splits: int = 0  # KdaSplit's S (the static head then holds its tensors: ``split_parts``)
-    split_rows: int = 0  # its R
 
 
-def static_parts(T: int, N: int, layout: PoolLayout, S: int = 0, R: int = 0) -> list[tuple[str, tuple[int, ...]]]:
+def static_parts(T: int, N: int, layout: PoolLayout, S: int = 0) -> list[tuple[str, tuple[int, ...]]]:
     """The fixed-layout head of a padded step's host-to-device buffer (``GraphPad.static``): each part's name and
-    shape for ``T`` tokens and ``N`` sequences (and ``S`` KDA splits over ``R`` phase-1 rows, ``split_parts``: one
-    padding segment in phase 1). Its size depends only on (T, N, S, R), so a prefill graph's inputs are one buffer of
-    that size and a step's are copied into it at once."""
+    shape for ``T`` tokens and ``N`` sequences (and ``S`` KDA checkpoints, ``split_parts``). Its size depends only on
+    (T, N, S), so a prefill graph's inputs are one buffer of that size and a step's are copied into it at once."""
     W, mla = layout.conv_width, bool(layout.mla_layers)
     parts = [
         ("input_ids", (T,)), ("slot_pages", (N, layout.pages_per_slot)), ("write_pages", (T if mla else 0,)),
         ("write_offsets", (T if mla else 0,)), ("logit_rows", (N,)), ("conv_src", (T, W + 1)), ("conv_new", (N, W)),
         ("cu", (N + 1,)),
     ]
-    return parts + (split_parts(T, N, S, R, S + 1, layout) if S else [])
+    return parts + (split_parts(T, N, S, layout) if S else [])
 
 
-def split_static(static: torch.Tensor, T: int, N: int, layout: PoolLayout, S: int = 0,
-                 R: int = 0) -> dict[str, torch.Tensor]:
+def split_static(static: torch.Tensor, T: int, N: int, layout: PoolLayout, S: int = 0) -> dict[str, torch.Tensor]:
     """``static_parts``' views of a flat buffer."""
-    parts = static_parts(T, N, layout, S, R)
+    parts = static_parts(T, N, layout, S)
     sizes = [math.prod(shape) for _, shape in parts]
     return {name: x.view(shape) for (name, shape), x in zip(parts, static.split(sizes))}
 
@@ -264,6 +258,7 @@ class ModelRunner:
         self._splits: dict[int, list[int]] = {}
         self.sync_ok = True  # False while a CUDA graph is being captured: no host synchronisation then
         self.kda_splits = True  # runs ForwardBatch.kda_split (KDA checkpoints inside a chunk)
+        self.kda_chunk_size = model.config.kda_chunk_size  # every KDA layer's chunk: KdaSplit aligns to its grid
         self.compiled = compile
         self.cudnn = cudnn  # EngineConfig.cudnn_attention
         fns = (mix_norm, norm_only, feed_forward_dense, kda_input, kda_output, mla_input, mla_output)
@@ -370,11 +365,14 @@ class ModelRunner:
             )
             outs.append(o[:, 0])
         if (b.prefill_lens or b.pad is not None) and sp is not None:
+            # the rows in their padded places, identity rows around them; the states at the boundaries from h
             x = (q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:])
-            o0 = self._chunk(attn, x, states, page_col, sp.init0, sp.final0, sp.cu0, sp.cu0_cpu, b, kwargs)
-            o1 = self._chunk(attn, [t[sp.rows1] for t in x], states, page_col, sp.init1, sp.final1, sp.cu1,
-                             sp.cu1_cpu, b, kwargs)
-            outs.append(torch.where(sp.take1[:, None, None] != 0, o1[sp.pos1], o0))
+            fill = (0.0, 0.0, 0.0, IDENTITY_LOGIT, IDENTITY_LOGIT)
+            x = [t.new_full((sp.padded_rows, *t.shape[1:]), f).index_copy_(0, sp.rows, t) for t, f in zip(x, fill)]
+            slots = b.slot_pages[nd:]
+            o, h = self._chunk(attn, x, states, page_col, slots, slots, sp.kda_cu, sp.cu_cpu, b, kwargs, True)
+            states[sp.ckpt[:, page_col]] = h[0, sp.hidx].to(states.dtype)
+            outs.append(o[sp.rows])
         elif b.prefill_lens or b.pad is not None:
             cu, cu_cpu = b.prefill_offsets
             outs.append(self._chunk(attn, (q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:]), states, page_col,
@@ -382,18 +380,20 @@ class ModelRunner:
         o = torch.cat(outs) if len(outs) > 1 else outs[0]
         return self._kda_output(attn, o, gate)
 
-    def _chunk(self, attn, x, states, col: int, init, final, cu, cu_cpu, b: ForwardBatch, kwargs) -> torch.Tensor:
+    def _chunk(self, attn, x, states, col: int, init, final, cu, cu_cpu, b: ForwardBatch, kwargs,
+               intermediate: bool = False):
         """``chunk_kda`` over rows ``x = (q, k, v, g, beta)`` in segments ``cu``, each from the state in slot ``init``
         to slot ``final`` (``[segments, pages_per_slot]``, this layer's column ``col``); returns the output
-        ``[rows, H, V]``. A padded step indexes its chunks on the device over a fixed number of segments (FLA's graph
-        mode: no host read, capturable)."""
+        ``[rows, H, V]`` (and with ``intermediate`` the states entering each chunk, ``chunk_kda``'s ``h``). A padded
+        step indexes its chunks on the device over a fixed number of segments (FLA's graph mode: no host read,
+        capturable)."""
         graph = dict(use_graph=True, max_num_seqs=cu.shape[0] - 1) if b.pad is not None else {}
         q, k, v, g, beta = (t[None] for t in x)
-        o, last = chunk_kda(q, k, v, g, beta, initial_state=states[init[:, col]], output_final_state=True,
-                            cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, safe_gate=attn.bounded, chunk_size=attn.chunk_size,
-                            **graph, **kwargs)
+        o, last, *h = chunk_kda(q, k, v, g, beta, initial_state=states[init[:, col]], output_final_state=True,
+                                cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, safe_gate=attn.bounded,
+                                chunk_size=attn.chunk_size, return_intermediate_states=intermediate, **graph, **kwargs)
         states[final[:, col]] = last
-        return o[0]
+        return (o[0], h[0]) if intermediate else o[0]
 
     # -- MLA
 

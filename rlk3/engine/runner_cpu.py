@@ -164,15 +164,19 @@ class CPURunner(ModelRunner):
         # a checkpoint inside a chunk (runner.KdaSplit): the kernel advances each slot in one pass, so the rows up to
         # the boundaries run first, each boundary's state and conv cache are copied into its checkpoint, then the
         # rows after the boundaries continue from the same slots
-        nd, S = b.num_decode, sp.ckpt.shape[0]
-        after = sp.rows1[: int(sp.take1.sum())] + nd
-        before = torch.cat([torch.arange(nd), nd + (sp.take1 == 0).nonzero()[:, 0]])
+        nd, before, after, first = b.num_decode, list(range(b.num_decode)), [], b.num_decode
+        for n0, n1 in zip(sp.lens_before, sp.lens_after):
+            before += range(first, first + n0)
+            after += range(first + n0, first + n0 + n1)
+            first += n0 + n1
+        split = [i for i, n1 in enumerate(sp.lens_after) if n1]
         cu = torch.tensor([*range(nd + 1), *(nd + x for x in itertools.accumulate(sp.lens_before))])
         o = torch.empty(proj.shape[0], H * K)
         o[before] = recurrent(proj[before], g[before], slots, cu)
-        own, ckpt = sp.final1[:S, page_col], sp.ckpt[:, page_col]
+        own, ckpt = slots[[nd + i for i in split]], sp.ckpt[:, page_col]
         states[ckpt], convs[ckpt] = states[own], convs[own]
-        o[after] = recurrent(proj[after], g[after], own.contiguous(), sp.cu1_cpu[: S + 1])
+        cu_after = torch.tensor([0, *itertools.accumulate(sp.lens_after[i] for i in split)])
+        o[after] = recurrent(proj[after], g[after], own.contiguous(), cu_after)
         return F.linear(o, attn.o_proj.weight)
 
     @staticmethod

@@ -245,8 +245,9 @@ def test_shared_prefill_on_cuda_generates_what_unshared_prefill_generates(backen
 def test_prefill_graphs_replay_what_the_padded_steps_compute_eagerly(preset, dtype, monkeypatch):
     """The piecewise prefill graphs against the same padded steps run eagerly (the same kernels
     and shapes, nothing captured): bit for bit, over steps of several buckets, prefix hits, a pause and an extension
-    (``_oracle.mixed_workload``; its chunks cross 64-token checkpoint boundaries, so the graphs hold the two-phase
-    KDA of ``checkpoint_in_step``), with at most two shapes kept so that graphs are evicted and captured again.
+    (``_oracle.mixed_workload``; its chunks cross 64-token checkpoint boundaries, so the graphs hold the padded
+    KDA input and intermediate states of ``checkpoint_in_step``), with at most two shapes kept so that graphs are
+    evicted and captured again.
     In fp32, also against unpadded eager prefill: the same tokens, log-probs within 1e-3 — FLA's graph-mode kernels
     and inductor's code for other shapes round differently, and FLA multiplies fp32 in TF32 (1.3e-4 measured on the
     H200; the chunked and recurrent paths part by up to 3.4e-3, the first test)."""

@@ -208,10 +208,10 @@ def _conversation(engine, turns: int = 4) -> list:
                          ids=["torch", "torch-padded", "cpu-kernels"])
 @pytest.mark.parametrize("workload", [mixed_workload, _conversation], ids=["mixed", "conversation"])
 def test_checkpoints_taken_inside_a_step_change_no_result(tiny, backend, padded, workload):
-    """``checkpoint_in_step`` (the torch runner's two-phase chunked KDA, plain and in padded steps — the prefill
-    graphs' pieces run eagerly —, and the CPU kernels' runner's two passes): the same tokens and log-probs (fp32,
-    within 1e-6) as ending each chunk at its checkpoint boundary, the same tokens prefilled, checkpoints taken and
-    cache hits, in fewer steps; the pool's bookkeeping (the reserved checkpoint slots included) intact after every
+    """``checkpoint_in_step`` (the torch runner's chunked KDA read at the boundary, plain and in padded steps — the
+    prefill graphs' pieces run eagerly —, and the CPU kernels' runner's two passes): the same tokens and log-probs
+    (fp32, within 1e-6) as ending each chunk at its checkpoint boundary, the same tokens prefilled, checkpoints taken
+    and cache hits, in fewer steps; the pool's bookkeeping (the reserved checkpoint slots included) intact after every
     step."""
     cfg = dict(memory_bytes=16 * 2**20, max_tokens_per_step=256, prefill_chunk=64, prefix_block_tokens=64,
                checkpoint_interval=64, backend=backend, prefill_graphs=padded)
@@ -237,6 +237,36 @@ def test_checkpoints_taken_inside_a_step_change_no_result(tiny, backend, padded,
         before.prefill_tokens, before.prefix_cache.checkpoints_taken, before.prefix_cache.hit_tokens)
     assert (after.padded_prefill_steps > 0) == padded
     assert after.kernels == ("cpu" if backend == "auto" else "torch")
+
+
+@pytest.mark.parametrize("backend,padded", [("torch", False), ("torch", True), ("auto", False)],
+                         ids=["torch", "torch-padded", "cpu-kernels"])
+def test_a_checkpoint_inside_a_step_that_starts_off_the_chunk_grid_resumes_exactly(tiny, backend, padded):
+    """A turn resumed after a tail (position 40: a 37-token prompt, then 3 generated) crosses the boundaries at 64 and
+    128; the first is taken inside the step, 25 rows in, so the chunked kernel's grid (chunks of 64 from the step's
+    first row) misses it unless identity rows align it (runner.KdaSplit). A later prompt sharing 100 tokens of that
+    turn resumes from that checkpoint and must generate what a cache-less engine does (tokens, log-probs within
+    1e-5: the state restored is the one at 64, not at 39 or 103)."""
+    assert tiny.config.kda_chunk_size == 64
+    cfg = dict(memory_bytes=16 * 2**20, max_tokens_per_step=256, prefill_chunk=256, prefix_block_tokens=64,
+               checkpoint_interval=64, backend=backend, prefill_graphs=padded)
+    engine = RolloutEngine(tiny, EngineConfig(**cfg))
+    first = engine.generate([prompt(37, seed=50)], SamplingParams(max_tokens=3, temperature=0))[0]
+    turn = prompt(37, seed=50) + first.token_ids[:-1] + prompt(150, seed=51)
+    before = engine.stats()
+    second = engine.generate([turn], SamplingParams(max_tokens=2, temperature=0))[0]
+    after = engine.stats()
+    assert second.num_cached_tokens == 39  # the tail: the last sampled token is never computed
+    assert after.split_checkpoints - before.split_checkpoints == 1
+    assert (after.padded_prefill_steps > before.padded_prefill_steps) == padded
+    probe = turn[:100] + prompt(20, seed=52)
+    got = engine.generate([probe], SamplingParams(max_tokens=6, temperature=0))[0]
+    assert got.num_cached_tokens == 64
+    fresh = RolloutEngine(tiny, EngineConfig(**cfg, enable_prefix_cache=False))
+    want = fresh.generate([probe], SamplingParams(max_tokens=6, temperature=0))[0]
+    assert got.token_ids == want.token_ids
+    assert max(abs(x - y) for x, y in zip(got.logprobs, want.logprobs, strict=True)) <= 1e-5
+    engine.check_invariants()
 
 
 def test_a_checkpoint_without_room_ends_the_chunk_at_its_boundary(tiny, monkeypatch):

@@ -23,6 +23,7 @@ from rlk3.model.ops.kda.naive import naive_recurrent_kda
 from rlk3.model.ops.kda.pool import fused_recurrent_kda_pool
 
 __all__ = [
+    "IDENTITY_LOGIT",
     "chunk_kda",
     "fla_available",
     "fused_recurrent_kda",
@@ -34,6 +35,12 @@ __all__ = [
 ]
 
 BACKENDS = (None, "torch", "fla")
+
+# A raw gate and beta logit that make a token the identity with the in-kernel gate and beta-sigmoid: decay
+# e^0 (both gates of ``kda_gate`` reach 0 from below, softplus and sigmoid underflowing in fp32) and beta 0; with q =
+# k = v = 0 beside them the token leaves the state as it was and outputs 0. Finite, so that no kernel forms
+# 0 · inf; representable in bf16 (fp32's exponent range).
+IDENTITY_LOGIT = -1e30
 
 
 @functools.cache
@@ -88,14 +95,18 @@ def chunk_kda(
     cu_seqlens_cpu: torch.Tensor | None = None,
     use_graph: bool = False,
     max_num_seqs: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return_intermediate_states: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """KDA over whole sequences. q, k ``[B,T,H,K]``; v ``[B,T,HV,V]``; g ``[B,T,HV,K]`` (log decay, or raw gate
     logits with ``use_gate_in_kernel``); beta ``[B,T,HV]``. Returns ``(o [B,T,HV,V], final_state | None)``.
     ``cu_seqlens_cpu``: the same offsets on the host, when the caller has them; on CUDA, validating and indexing
     the chunks from a device tensor waits for the GPU (trusted to equal ``cu_seqlens``, as FLA trusts it).
     ``use_graph``: FLA indexes the chunks on the device with static shapes (``cu_seqlens`` padded with empty
     sequences to ``max_num_seqs`` + 1 entries), so the call can be captured in a CUDA graph; the host copy is then
-    only validated (at capture), never handed to FLA, whose replays see other offsets. The torch path ignores it."""
+    only validated (at capture), never handed to FLA, whose replays see other offsets. The torch path ignores it.
+    ``return_intermediate_states``: a third output, the state entering every chunk (``torch_chunk_kda``'s ``h``, in
+    k's dtype: bf16 states for a bf16 model); FLA hands it out only in inference mode, which this call enters (its
+    outputs are then inference tensors: read them, never write them in place)."""
     shapes = check_inputs(
         q, k, v, g, beta, initial_state=initial_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
         use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
@@ -112,10 +123,13 @@ def chunk_kda(
         A_log=A_log, dt_bias=dt_bias, chunk_size=chunk_size,
     )
     if _use_fla(q, backend, "chunk_kda"):
-        if use_graph:
-            return _fla_ops().chunk_kda(q, k, v, g, beta, use_graph=True, max_num_seqs=max_num_seqs, **kwargs)
-        return _fla_ops().chunk_kda(q, k, v, g, beta, cu_seqlens_cpu=cu_seqlens_cpu, **kwargs)
-    return torch_chunk_kda(q, k, v, g, beta, _shapes=shapes, **kwargs)
+        extra = dict(use_graph=True, max_num_seqs=max_num_seqs) if use_graph else dict(cu_seqlens_cpu=cu_seqlens_cpu)
+        if not return_intermediate_states:
+            return _fla_ops().chunk_kda(q, k, v, g, beta, **extra, **kwargs)
+        with torch.inference_mode():
+            return _fla_ops().chunk_kda(q, k, v, g, beta, return_intermediate_states=True, **extra, **kwargs)
+    return torch_chunk_kda(q, k, v, g, beta, _shapes=shapes, return_intermediate_states=return_intermediate_states,
+                           **kwargs)
 
 
 def fused_recurrent_kda(

@@ -101,9 +101,10 @@ def unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
     return inv[..., 0, :, :]
 
 
-def _chunk_forward(q, k, v, g, beta, S, chunk_size):
+def _chunk_forward(q, k, v, g, beta, S, chunk_size, states: list | None = None):
     """All inputs in the compute dtype, head-major: q, k, g [N, HV, T, K], v [N, HV, T, V], beta [N, HV, T],
-    S [N, HV, K, V]; T divisible by chunk_size. Returns (o [N, HV, T, V], S)."""
+    S [N, HV, K, V]; T divisible by chunk_size. Returns (o [N, HV, T, V], S). ``states``: a list that receives the
+    state entering each chunk."""
     N, HV, T, K = q.shape
     C = chunk_size
     NT = T // C
@@ -124,6 +125,8 @@ def _chunk_forward(q, k, v, g, beta, S, chunk_size):
 
     outs = []
     for t in range(NT):
+        if states is not None:
+            states.append(S)
         delta = U[:, :, t] - W[:, :, t] @ S
         outs.append(q_decayed[:, :, t] @ S + M[:, :, t] @ delta)
         S = decay_last[:, :, t] * S + k_to_end[:, :, t].transpose(-1, -2) @ delta
@@ -157,9 +160,13 @@ def torch_chunk_kda(
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     chunk_size: int = 64,
+    return_intermediate_states: bool = False,
     _shapes: Shapes | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Chunkwise KDA with FLA's signature; see the module docstring. Returns (o in v.dtype, final state or None)."""
+) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Chunkwise KDA with FLA's signature; see the module docstring. Returns (o in v.dtype, final state or None), and
+    with ``return_intermediate_states`` also FLA's ``h``: the state entering every chunk of ``chunk_size`` tokens,
+    ``[B, NT, HV, K, V]`` (``[.., V, K]`` with ``state_v_first``) in k's dtype; with ``cu_seqlens`` B = 1 and the
+    sequences' chunks follow one another (sequence n's chunk j at ``Σ_{m<n} ceil(T_m / chunk_size) + j``)."""
     if chunk_size not in CHUNK_SIZES:
         raise ValueError(f"torch_chunk_kda: `chunk_size` must be one of {CHUNK_SIZES}, got {chunk_size}")
     shapes = _shapes or check_inputs(
@@ -176,8 +183,9 @@ def torch_chunk_kda(
     )
     S0 = state_in(initial_state, shapes, state_v_first, dtype, q.device)
     longest = shapes.T if cu_seqlens is None else max(b - a for a, b in itertools.pairwise(cu_seqlens.tolist()))
-    # a sequence shorter than the chunk gains nothing from padding up to it (same result, less work)
-    while chunk_size > SUB_CHUNK and chunk_size // 2 >= longest:
+    # a sequence shorter than the chunk gains nothing from padding up to it (same result, less work); the
+    # intermediate states are promised on the caller's chunk grid
+    while not return_intermediate_states and chunk_size > SUB_CHUNK and chunk_size // 2 >= longest:
         chunk_size //= 2
 
     # Pad every sequence at its end to a multiple of the chunk. Pad tokens carry k = v = β = 0 and g = 0
@@ -193,10 +201,20 @@ def torch_chunk_kda(
         tensors = [_to_padded(t, offs, T_pad) for t in (qf, kf, vf, gf, bf)]
     qp, kp, vp, gp, bp = (t.transpose(1, 2) for t in tensors)  # head-major
 
-    o, S = _chunk_forward(qp, kp, vp, gp, bp, S0, chunk_size)
+    entering = [] if return_intermediate_states else None
+    o, S = _chunk_forward(qp, kp, vp, gp, bp, S0, chunk_size, entering)
     o = o.transpose(1, 2)  # [N, T_pad, HV, V]
     if offs is None:
         o = o[:, : shapes.T]
     else:
         o = torch.cat([o[n, : b - a] for n, (a, b) in enumerate(itertools.pairwise(offs))], dim=0).unsqueeze(0)
-    return o.to(v.dtype).contiguous(), (state_out(S, state_v_first) if output_final_state else None)
+    out = o.to(v.dtype).contiguous(), (state_out(S, state_v_first) if output_final_state else None)
+    if not return_intermediate_states:
+        return out
+    h = torch.stack(entering, dim=1)  # [N, NT_pad, HV, K, V]
+    h = h.transpose(-1, -2) if state_v_first else h
+    if offs is None:
+        h = h[:, : -(-shapes.T // chunk_size)]
+    else:
+        h = torch.cat([h[n, : -(-(b - a) // chunk_size)] for n, (a, b) in enumerate(itertools.pairwise(offs))])[None]
+    return *out, h.to(k.dtype).contiguous()

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlk3.model.ops.kda import chunk_kda, fused_recurrent_kda, naive_recurrent_kda, torch_chunk_kda
+from rlk3.model.ops.kda import IDENTITY_LOGIT, chunk_kda, fused_recurrent_kda, naive_recurrent_kda, torch_chunk_kda
 from tests._util import rel_err
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -184,3 +184,115 @@ def test_bad_cu_seqlens():
         chunk_kda(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 5, 20]), cu_seqlens_cpu=torch.tensor([0, 20]))
     o, _ = chunk_kda(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 5, 20]), cu_seqlens_cpu=torch.tensor([0, 5, 20]))
     assert torch.equal(o, chunk_kda(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 5, 20]))[0])
+
+
+GATES = [{"lower_bound": -5.0, "safe_gate": True}, {"lower_bound": None}]
+
+
+def _in_kernel(gate, HV, K, dtype):
+    g = torch.Generator().manual_seed(1)
+    return dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                state_v_first=True, A_log=torch.randn(HV, generator=g, dtype=dtype) * 0.5,
+                dt_bias=torch.randn(HV * K, generator=g, dtype=dtype), **gate)
+
+
+@pytest.mark.parametrize("gate", GATES, ids=["safe_gate", "softplus"])
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_intermediate_states_are_the_states_entering_each_chunk(gate, chunk_size):
+    """``h`` in FLA's varlen layout: sequence n's chunk j at Σ_{m<n} ceil(T_m / C) + j holds the state after its
+    first j·C tokens (the naive recurrence over that prefix), even for sequences shorter than one chunk."""
+    dtype, lengths = torch.float64, [5, 64, 0, 131, 1, 70]
+    offs = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    q, k, v, g, beta, _ = make_inputs(1, int(offs[-1]), 2, 16, 8, dtype, HV=4, raw=True)
+    h0 = torch.randn(len(lengths), 4, 8, 16, dtype=dtype)
+    kw = _in_kernel(gate, 4, 16, dtype)
+    o, s, h = torch_chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=offs,
+                              chunk_size=chunk_size, return_intermediate_states=True, **kw)
+    o2, s2 = torch_chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=offs,
+                             chunk_size=chunk_size, **kw)
+    assert torch.equal(o, o2) and torch.equal(s, s2)
+    chunks = [-(-n // chunk_size) for n in lengths]
+    assert h.shape == (1, sum(chunks), 4, 8, 16) and h.dtype == k.dtype
+    at = 0
+    for n, a in enumerate(offs.tolist()[:-1]):
+        for j in range(chunks[n]):
+            e = a + j * chunk_size
+            want = h0[n : n + 1] if j == 0 else naive_recurrent_kda(
+                q[:, a:e], k[:, a:e], v[:, a:e], g[:, a:e], beta[:, a:e], initial_state=h0[n : n + 1],
+                output_final_state=True, **kw)[1]
+            assert rel_err(h[0, at + j], want[0]) <= TOL[dtype], f"sequence {n} chunk {j}"
+        at += chunks[n]
+    # equal-length batches: [B, ceil(T / C)]
+    q, k, v, g, beta, h0 = make_inputs(2, 100, 2, 16, 8, dtype, HV=4, raw=True)
+    h0 = torch.randn(2, 4, 8, 16, dtype=dtype)
+    _, _, h = torch_chunk_kda(q, k, v, g, beta, initial_state=h0, chunk_size=chunk_size,
+                              return_intermediate_states=True, **kw)
+    assert h.shape == (2, -(-100 // chunk_size), 4, 8, 16)
+    want = naive_recurrent_kda(q[:, :chunk_size], k[:, :chunk_size], v[:, :chunk_size], g[:, :chunk_size],
+                               beta[:, :chunk_size], initial_state=h0, output_final_state=True, **kw)[1]
+    assert rel_err(h[:, 1], want) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("gate", GATES, ids=["safe_gate", "softplus"])
+def test_identity_rows_leave_the_state_and_the_other_rows_alone(gate):
+    """Rows with q = k = v = 0 and gate and beta logits ``IDENTITY_LOGIT`` are identity steps: inserted anywhere in a
+    sequence (here: in front, and in the middle) they change neither its other rows' outputs nor its final state,
+    and output 0. The engine aligns a KDA checkpoint to the chunk grid with them (runner.KdaSplit)."""
+    dtype = torch.float64
+    q, k, v, g, beta, _ = make_inputs(1, 90, 2, 16, 8, dtype, HV=4, raw=True)
+    h0 = torch.randn(1, 4, 8, 16, dtype=dtype)
+    kw = _in_kernel(gate, 4, 16, dtype)
+    o, s = torch_chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw)
+    real = torch.cat([torch.arange(7, 47), torch.arange(60, 110)])  # 7 rows in front, 13 after row 40
+    pad = [torch.zeros(1, 110, *t.shape[2:], dtype=dtype) for t in (q, k, v)]
+    pad += [torch.full((1, 110, *t.shape[2:]), IDENTITY_LOGIT, dtype=dtype) for t in (g, beta)]
+    for p, t in zip(pad, (q, k, v, g, beta)):
+        p[:, real] = t
+    for fn in (torch_chunk_kda, naive_recurrent_kda):
+        o_p, s_p = fn(*pad, initial_state=h0, output_final_state=True, **kw)
+        assert rel_err(o_p[:, real], o) <= TOL[dtype] and rel_err(s_p, s) <= TOL[dtype], fn.__name__
+        mask = torch.ones(110, dtype=torch.bool)
+        mask[real] = False
+        assert torch.equal(o_p[:, mask], torch.zeros_like(o_p[:, mask])), fn.__name__
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph-mode"])
+def test_fla_intermediate_states_and_identity_rows_equal_the_torch_path(graph):
+    """On FLA (eager varlen, and graph mode: offsets padded with empty sequences), ``h`` equals the torch path's,
+    and identity rows in front of a sequence change neither its outputs nor its final state (what
+    runner.KdaSplit relies on)."""
+    dev, dtype, C = "cuda", torch.float32, 64
+    lengths = [5, 130, 64, 71]
+    offs = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    q, k, v, g, beta, _ = (t if t is None else t.to(dev) for t in make_inputs(1, int(offs[-1]), 2, 64, 64, dtype,
+                                                                              raw=True))
+    h0 = torch.randn(len(lengths), 2, 64, 64, device=dev)
+    kw = {n: (t.to(dev) if torch.is_tensor(t) else t) for n, t in _in_kernel(GATES[0], 2, 64, dtype).items()}
+    cu_cpu, init = offs, h0
+    extra = {}
+    if graph:  # two empty sequences at the end, as a padded engine step has
+        cu_cpu = torch.cat([offs, offs[-1:].repeat(2)])
+        init = torch.cat([h0, torch.zeros(2, 2, 64, 64, device=dev)])
+        extra = dict(use_graph=True, max_num_seqs=len(lengths) + 2)
+    outs = {}
+    for backend in ("fla", "torch"):
+        o, s, h = chunk_kda(q, k, v, g, beta, initial_state=init, output_final_state=True, cu_seqlens=cu_cpu.to(dev),
+                            cu_seqlens_cpu=cu_cpu if backend == "torch" or not graph else None, chunk_size=C,
+                            backend=backend, return_intermediate_states=True,
+                            **(extra if backend == "fla" else {}), **kw)
+        outs[backend] = o, s[: len(lengths)], h[:, : sum(-(-n // C) for n in lengths)]
+    for name, a, b in zip(("o", "final", "h"), outs["fla"], outs["torch"]):
+        assert rel_err(a, b) <= 2e-3, f"{name}: rel err {rel_err(a, b):.2e}"
+    # 23 identity rows in front of the second sequence: its boundary 41 rows in lands on the grid (chunk 1)
+    a, b = int(offs[1]), int(offs[2])
+    pad = [torch.cat([torch.full((1, 23, *t.shape[2:]), f, device=dev), t[:, a:b]], 1)
+           for t, f in zip((q, k, v, g, beta), (0.0, 0.0, 0.0, IDENTITY_LOGIT, IDENTITY_LOGIT))]
+    o_p, s_p, h_p = chunk_kda(*pad, initial_state=h0[1:2], output_final_state=True, chunk_size=C, backend="fla",
+                              return_intermediate_states=True, **kw)
+    assert rel_err(o_p[:, 23:], outs["fla"][0][:, a:b]) <= 2e-3 and rel_err(s_p, outs["fla"][1][1:2]) <= 2e-3
+    want = naive_recurrent_kda(*(t[:, a : a + 41].cpu() for t in (q, k, v, g, beta)), initial_state=h0[1:2].cpu(),
+                               output_final_state=True, **{n: (t.cpu() if torch.is_tensor(t) else t)
+                                                           for n, t in kw.items()})[1]
+    assert rel_err(h_p[0, 1].cpu(), want[0]) <= 2e-3
