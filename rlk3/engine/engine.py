@@ -837,11 +837,10 @@ class RolloutEngine:
                    padded: bool, conv_rows) -> tuple[dict[str, torch.Tensor], dict]:
         """``KdaSplit``'s tensors (host) for the sequences the scheduler split at a checkpoint boundary inside their
         chunk (``Request.split_at``), in ``runner.split_parts`` order, and its host fields; empty when there are
-        none. ``lens``, ``slots``
-        and ``row0`` cover every sequence of the step (padding ones included), ``rows`` its tokens; ``conv_rows``
-        maps (sequence, first row, chunk inputs) to rows of the conv buffer. A padded step's KDA input has room for a
-        chunk of identity rows per checkpoint (a shape that depends only on the count); what a step does not use
-        goes to its padding sequence."""
+        none. ``lens``, ``slots`` and ``row0`` cover every sequence of the step (padding ones included), ``rows`` its
+        tokens; ``conv_rows`` maps (sequence, first row, chunk inputs) to rows of the conv buffer. A padded step's KDA
+        input has room for a chunk of identity rows per checkpoint (a shape that depends only on the count); what a
+        step does not use goes to its padding sequence."""
         at = {i: (req.split_at - req.num_computed, req.split_slot) for i, (req, _) in enumerate(plan)
               if req.split_at is not None}
         if not at:

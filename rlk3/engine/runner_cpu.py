@@ -164,20 +164,32 @@ class CPURunner(ModelRunner):
         # a checkpoint inside a chunk (runner.KdaSplit): the kernel advances each slot in one pass, so the rows up to
         # the boundaries run first, each boundary's state and conv cache are copied into its checkpoint, then the
         # rows after the boundaries continue from the same slots
-        nd, before, after, first = b.num_decode, list(range(b.num_decode)), [], b.num_decode
-        for n0, n1 in zip(sp.lens_before, sp.lens_after):
-            before += range(first, first + n0)
-            after += range(first + n0, first + n0 + n1)
-            first += n0 + n1
-        split = [i for i, n1 in enumerate(sp.lens_after) if n1]
-        cu = torch.tensor([*range(nd + 1), *(nd + x for x in itertools.accumulate(sp.lens_before))])
+        before, after, split, cu, cu_after = self._split_rows(b)
         o = torch.empty(proj.shape[0], H * K)
         o[before] = recurrent(proj[before], g[before], slots, cu)
-        own, ckpt = slots[[nd + i for i in split]], sp.ckpt[:, page_col]
+        own, ckpt = slots[split], sp.ckpt[:, page_col]
         states[ckpt], convs[ckpt] = states[own], convs[own]
-        cu_after = torch.tensor([0, *itertools.accumulate(sp.lens_after[i] for i in split)])
         o[after] = recurrent(proj[after], g[after], own.contiguous(), cu_after)
         return F.linear(o, attn.o_proj.weight)
+
+    @staticmethod
+    def _split_rows(b) -> tuple[torch.Tensor, ...]:
+        """For a step with checkpoints inside it (cached on the batch: every KDA layer uses them): the rows before
+        the boundaries (the decode rows included) and after them, the split sequences' rows in ``slot_pages``, and
+        the offsets of the rows before (per sequence) and after (per split sequence)."""
+        rows = getattr(b, "_cpu_split", None)
+        if rows is None:
+            sp, nd = b.kda_split, b.num_decode
+            before, after, first = list(range(nd)), [], nd
+            for n0, n1 in zip(sp.lens_before, sp.lens_after):
+                before += range(first, first + n0)
+                after += range(first + n0, first + n0 + n1)
+                first += n0 + n1
+            split = [nd + i for i, n1 in enumerate(sp.lens_after) if n1]
+            cu = [*range(nd + 1), *(nd + x for x in itertools.accumulate(sp.lens_before))]
+            cu_after = [0, *itertools.accumulate(n1 for n1 in sp.lens_after if n1)]
+            rows = b._cpu_split = tuple(torch.tensor(x) for x in (before, after, split, cu, cu_after))
+        return rows
 
     @staticmethod
     def _step_cu(b) -> torch.Tensor:
