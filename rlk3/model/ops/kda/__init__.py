@@ -115,6 +115,11 @@ def chunk_kda(
     )
     if chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_kda: `chunk_size` must be one of {CHUNK_SIZES} (FLA takes 32 or 64), got {chunk_size}")
+    if return_intermediate_states and torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state, A_log, dt_bias)):
+        raise ValueError("chunk_kda: `return_intermediate_states` is for inference (FLA computes it in inference "
+                         "mode, without gradients); call it under torch.no_grad() or with inputs that do not "
+                         "require grad")
     kwargs = dict(
         scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,

@@ -233,6 +233,17 @@ def test_intermediate_states_are_the_states_entering_each_chunk(gate, chunk_size
     assert rel_err(h[:, 1], want) <= TOL[dtype]
 
 
+def test_intermediate_states_refuse_inputs_that_want_gradients():
+    """FLA computes ``h`` in inference mode, where nothing is differentiable: the dispatch refuses rather than
+    hand back outputs that silently lose their gradients on a GPU (and keep them on the CPU)."""
+    q, k, v, g, beta, h0 = make_inputs(1, 40, 2, 16, 8, torch.float32, h0=True)
+    with pytest.raises(ValueError, match="return_intermediate_states` is for inference"):
+        chunk_kda(q.requires_grad_(), k, v, g, beta, initial_state=h0, return_intermediate_states=True)
+    with torch.no_grad():
+        _, _, h = chunk_kda(q, k, v, g, beta, initial_state=h0, return_intermediate_states=True)
+    assert h.shape == (1, 1, 2, 16, 8) and torch.equal(h[0, 0], h0[0])
+
+
 @pytest.mark.parametrize("gate", GATES, ids=["safe_gate", "softplus"])
 def test_identity_rows_leave_the_state_and_the_other_rows_alone(gate):
     """Rows with q = k = v = 0 and gate and beta logits ``IDENTITY_LOGIT`` are identity steps: inserted anywhere in a
