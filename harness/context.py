@@ -15,8 +15,10 @@ first, the least of these steps that brings it under:
 4. cut every message's text to a common length (system prompt last).
 
 Steps 1-3 are one ordered list of actions, and the number of actions applied is found by binary search on the
-exact token count, so compaction costs O(log n) renders. The result is under the threshold whenever the
-threshold can hold the (cut) system prompt and tool list at all.
+exact token count, so compaction costs O(log n) renders of the conversation (and one count per unit, to keep a
+stub only where it saves tokens). The count falls with each action except at the first drop, whose marker message
+can cost more than the unit it removes; the search runs on each side of it. The result is under the threshold
+whenever the threshold can hold the (cut) system prompt and tool list at all.
 """
 
 from __future__ import annotations
@@ -155,7 +157,10 @@ class Compaction:
         actions = [(i, 1) for i in old] + [(i, 2) for i in old] + [(i, 1) for i in recent] + [(i, 2) for i in recent]
         if m:  # the last unit goes last: stubbed, and dropped only when nothing else is left to remove
             actions += [(m - 1, 1), (m - 1, 2)]
+        # a stub is shorter in characters but can take more tokens (a note replacing a short, repetitive output):
+        # a unit whose stub does not count fewer tokens stays as it is, so that no stub adds tokens
         stubbed = [stub_unit(u, self.stub_chars) for u in units]
+        stubbed = [s if count(s) < count(u) else u for s, u in zip(stubbed, units)]
         # how many original messages dropping a unit removes: an earlier compaction's marker stands for its count
         removed = [_marker_count(u[0]) if _is_marker(u[0]) else len(u) for u in units]
 
@@ -174,18 +179,20 @@ class Compaction:
                     out.extend(stubbed[i])
             return out
 
-        lo, hi = 1, len(actions)
-        if count(build(hi)) <= limit:
+        # The count falls with the level except where the first drop adds the marker message (it can cost more
+        # than the unit it replaces): the levels before that drop and the levels from it on are each monotone, so
+        # the smallest level that fits is searched for in the first run, then in the second.
+        first_drop = next(n for n, (_, s) in enumerate(actions, 1) if s == 2) if actions else 1
+        for lo, hi in ((1, first_drop - 1), (first_drop, len(actions))):
+            if lo > hi or count(build(hi)) > limit:
+                continue
             while lo < hi:  # smallest level that fits
                 mid = (lo + hi) // 2
                 if count(build(mid)) <= limit:
                     hi = mid
                 else:
                     lo = mid + 1
-            best = build(lo)
-            if count(best) <= limit:
-                return best
-            return build(len(actions))
+            return build(lo)
         base = build(len(actions))
         for include_system in (False, True):
             longest = max((len(_text(x)) for x in base), default=0)

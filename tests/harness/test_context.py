@@ -106,6 +106,24 @@ def test_compaction_fits_the_threshold_and_never_splits_a_call_from_its_result(h
         assert out[-len(recent) :] == recent
 
 
+def test_compaction_takes_the_least_that_fits_where_a_stub_or_the_marker_costs_tokens(h):
+    """A counterexample the property test found in CI: dropping the first unit adds the marker message, which costs
+    more tokens than that small unit, and stubbing a short repetitive output ("out out …", 83 characters) gives a
+    note that is shorter but counts more tokens. Compaction's search assumed the count falls with each step, skipped
+    the level that drops the two old units and keeps the last one whole, and dropped everything instead."""
+    msgs = [{"role": "system", "content": "You are an agent.", "effort": "high"}, {"role": "user", "content": "Task: "}]
+    for n in range(3):
+        msgs.append({"role": "assistant", "content": "Step.", "reasoning_content": "",
+                     "tool_calls": [call(f"call_{n}", "cat ")]})
+        msgs.append({"role": "tool", "tool_call_id": f"call_{n}", "name": "shell",
+                     "content": " ".join(["out"] * (21 if n == 2 else 0))})
+    kept = [*msgs[:2], {"role": "user", "content": MARKER.format(n=4)}, *msgs[-2:]]
+    threshold = h.count_tokens(kept)
+    out = Compaction(threshold, keep_last_turns=1, stub_chars=0).compact(msgs, h.count_tokens)
+    assert out == kept
+    assert h.count_tokens(out) <= threshold
+
+
 def test_dropped_turns_leave_one_marker_and_a_second_compaction_counts_all_of_them(h):
     msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": "task"}]
     for i in range(12):
