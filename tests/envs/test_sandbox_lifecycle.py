@@ -127,6 +127,15 @@ def test_background_processes_stdin_and_kill(server, backend):
     run(go())
 
 
+def _started(pid: int) -> int:
+    """A process's start time (clock ticks after boot; /proc/PID/stat field 22), 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def test_a_command_whose_sandbox_dies_or_pauses_under_it_raises_a_sandbox_error(server, backend):
     """A stream cut by the sandbox's death (its processes SIGKILLed from the host, as the host's OOM killer
     does to a gVisor Sentry) or by a pause ends with an error the SDK types, never with the SDK's bare
@@ -138,7 +147,10 @@ def test_a_command_whose_sandbox_dies_or_pauses_under_it_raises_a_sandbox_error(
         try:
             h = await dying.commands.run("sleep 300", background=True, timeout=0)
             assert h.pid in {p.pid for p in await dying.commands.list()}
-            for pid in server.cgroup_procs(dying.sandbox_id):
+            # oldest first, so the agent dies before the command it runs: killed the other way round (as a set's
+            # order sometimes had it) the agent outlives its child by a moment and reports it ended with code -1,
+            # which is a command's end, not a sandbox's death (a CI run failed on exactly that)
+            for pid in sorted(server.cgroup_procs(dying.sandbox_id), key=_started):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             with pytest.raises(SandboxException) as died:
