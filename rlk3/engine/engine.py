@@ -253,9 +253,8 @@ class RolloutEngine:
         sampler = config.sampler or ("counter" if self.device.type == "cuda" else "generator")
         self.counter_sampling = sampler == "counter"
         self.runner = self._runner(model, config, compile)
-        # checkpoints inside a chunk need a runner that can take them (runner.KdaSplit; every runner here can)
-        self.scheduler.split_ok = (config.checkpoint_in_step and self.runner.kda_splits
-                                   and self.layout.pages_per_slot > 0)
+        # checkpoints inside a chunk (runner.KdaSplit): only a model with KDA layers has any to take
+        self.scheduler.split_ok = config.checkpoint_in_step and self.layout.pages_per_slot > 0
         self.version = 0
         self.released = False
         self._arrivals = itertools.count()
@@ -805,7 +804,7 @@ class RolloutEngine:
         slot_t = _longs(slots).view(n_all, self.layout.pages_per_slot)
         cu = torch.cat([torch.zeros(1, dtype=torch.long), n_seq.cumsum(0)])
         nd = N - len(multi)
-        split, split_host = self._kda_split(plan, nd, lens_all, slot_t, row0, len(ids), bucket is not None, conv_rows)
+        split, split_host = self._kda_split(plan, nd, lens_all, row0, len(ids), bucket is not None, conv_rows)
         # the fixed-layout part first (runner.static_parts: a prefill graph copies it in one operation)
         parts = [_longs(ids), slot_t, write_pages, write_offsets, _longs(logit_rows),
                  conv_src, conv_new, cu, *split.values(), table, _longs(seq_lens)]
@@ -833,11 +832,11 @@ class RolloutEngine:
             batch.packed = self._packed_groups(multi, starts, lens)
         return batch
 
-    def _kda_split(self, plan, nd: int, lens: list[int], slots: torch.Tensor, row0: torch.Tensor, rows: int,
-                   padded: bool, conv_rows) -> tuple[dict[str, torch.Tensor], dict]:
+    def _kda_split(self, plan, nd: int, lens: list[int], row0: torch.Tensor, rows: int, padded: bool,
+                   conv_rows) -> tuple[dict[str, torch.Tensor], dict]:
         """``KdaSplit``'s tensors (host) for the sequences the scheduler split at a checkpoint boundary inside their
         chunk (``Request.split_at``), in ``runner.split_parts`` order, and its host fields; empty when there are
-        none. ``lens``, ``slots`` and ``row0`` cover every sequence of the step (padding ones included), ``rows`` its
+        none. ``lens`` and ``row0`` cover every sequence of the step (padding ones included), ``rows`` its
         tokens; ``conv_rows`` maps (sequence, first row, chunk inputs) to rows of the conv buffer. A padded step's KDA
         input has room for a chunk of identity rows per checkpoint (a shape that depends only on the count); what a
         step does not use goes to its padding sequence."""
@@ -847,7 +846,7 @@ class RolloutEngine:
             return {}, {}
         C, M = self.runner.kda_chunk_size, len(lens) - nd
         front = [0] * M  # identity rows in front of each multi-token sequence
-        hidx, conv, ckpt = [], [], []
+        conv, ckpt = [], []
         for i, (a, ck) in at.items():
             front[i - nd] = -a % C  # then the boundary, a rows in, starts a chunk
             conv.append(conv_rows(torch.tensor(i), row0[i], a - self.layout.conv_width + torch.arange(

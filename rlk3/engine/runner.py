@@ -257,7 +257,6 @@ class ModelRunner:
         self._fused: dict[int, list[torch.Tensor]] = {}
         self._splits: dict[int, list[int]] = {}
         self.sync_ok = True  # False while a CUDA graph is being captured: no host synchronisation then
-        self.kda_splits = True  # runs ForwardBatch.kda_split (KDA checkpoints inside a chunk)
         self.kda_chunk_size = model.config.kda_chunk_size  # every KDA layer's chunk: KdaSplit aligns to its grid
         self.compiled = compile
         self.cudnn = cudnn  # EngineConfig.cudnn_attention
@@ -364,35 +363,31 @@ class ModelRunner:
                 check_unique=False, **kwargs,
             )
             outs.append(o[:, 0])
-        if (b.prefill_lens or b.pad is not None) and sp is not None:
-            # the rows in their padded places, identity rows around them; the states at the boundaries from h
+        if b.prefill_lens or b.pad is not None:
             x = (q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:])
-            fill = (0.0, 0.0, 0.0, IDENTITY_LOGIT, IDENTITY_LOGIT)
-            x = [t.new_full((sp.padded_rows, *t.shape[1:]), f).index_copy_(0, sp.rows, t) for t, f in zip(x, fill)]
-            slots = b.slot_pages[nd:]
-            o, h = self._chunk(attn, x, states, page_col, slots, slots, sp.kda_cu, sp.cu_cpu, b, kwargs, True)
-            states[sp.ckpt[:, page_col]] = h[0, sp.hidx].to(states.dtype)
-            outs.append(o[sp.rows])
-        elif b.prefill_lens or b.pad is not None:
-            cu, cu_cpu = b.prefill_offsets
-            outs.append(self._chunk(attn, (q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:]), states, page_col,
-                                    b.slot_pages[nd:], b.slot_pages[nd:], cu, cu_cpu, b, kwargs))
+            if sp is None:
+                outs.append(self._chunk(attn, x, states, page_col, *b.prefill_offsets, b, kwargs))
+            else:  # the rows in their padded places, identity rows around them; the states at the boundaries from h
+                fill = (0.0, 0.0, 0.0, IDENTITY_LOGIT, IDENTITY_LOGIT)
+                x = [t.new_full((sp.padded_rows, *t.shape[1:]), f).index_copy_(0, sp.rows, t) for t, f in zip(x, fill)]
+                o, h = self._chunk(attn, x, states, page_col, sp.kda_cu, sp.cu_cpu, b, kwargs, intermediate=True)
+                states[sp.ckpt[:, page_col]] = h[0, sp.hidx].to(states.dtype)
+                outs.append(o[sp.rows])
         o = torch.cat(outs) if len(outs) > 1 else outs[0]
         return self._kda_output(attn, o, gate)
 
-    def _chunk(self, attn, x, states, col: int, init, final, cu, cu_cpu, b: ForwardBatch, kwargs,
-               intermediate: bool = False):
-        """``chunk_kda`` over rows ``x = (q, k, v, g, beta)`` in segments ``cu``, each from the state in slot ``init``
-        to slot ``final`` (``[segments, pages_per_slot]``, this layer's column ``col``); returns the output
-        ``[rows, H, V]`` (and with ``intermediate`` the states entering each chunk, ``chunk_kda``'s ``h``). A padded
-        step indexes its chunks on the device over a fixed number of segments (FLA's graph mode: no host read,
-        capturable)."""
+    def _chunk(self, attn, x, states, col: int, cu, cu_cpu, b: ForwardBatch, kwargs, intermediate: bool = False):
+        """``chunk_kda`` over rows ``x = (q, k, v, g, beta)`` in segments ``cu``, the step's multi-token sequences, each
+        from the state in its slot and back into it (this layer's column ``col``); returns the output ``[rows, H, V]``
+        (and with ``intermediate`` the states entering each chunk, ``chunk_kda``'s ``h``). A padded step indexes its
+        chunks on the device over a fixed number of segments (FLA's graph mode: no host read, capturable)."""
         graph = dict(use_graph=True, max_num_seqs=cu.shape[0] - 1) if b.pad is not None else {}
         q, k, v, g, beta = (t[None] for t in x)
-        o, last, *h = chunk_kda(q, k, v, g, beta, initial_state=states[init[:, col]], output_final_state=True,
+        slots = b.slot_pages[b.num_decode :, col]
+        o, last, *h = chunk_kda(q, k, v, g, beta, initial_state=states[slots], output_final_state=True,
                                 cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, safe_gate=attn.bounded,
                                 chunk_size=attn.chunk_size, return_intermediate_states=intermediate, **graph, **kwargs)
-        states[final[:, col]] = last
+        states[slots] = last
         return (o[0], h[0]) if intermediate else o[0]
 
     # -- MLA
