@@ -7,7 +7,8 @@ timed conversations; each keeps its best. Used to find what a cached turn's time
 
 Variants: ``no_cache``; ``default`` (the engine's defaults); ``no_interval`` (no interval checkpoints: only the turn
 ends'); ``no_splits`` (no checkpoint at a block boundary inside a turn at all: only tails); ``in_step_off``
-(``checkpoint_in_step`` off: a boundary checkpoint ends the chunk instead of splitting KDA). Set
+(``checkpoint_in_step`` off: a boundary checkpoint ends the chunk instead of splitting KDA); ``cudnn`` (the defaults
+with ``cudnn_attention``: causal prefill calls on cuDNN at padded shapes). Set
 ``PYTORCH_CUDA_ALLOC_CONF`` in the environment to compare allocator settings (one process each).
 """
 
@@ -32,6 +33,7 @@ VARIANTS = {
     "no_interval": dict(checkpoint_interval=1 << 20),
     "no_splits": dict(checkpoint_interval=1 << 20, checkpoint_prompt_end=False),
     "in_step_off": dict(checkpoint_in_step=False),
+    "cudnn": dict(cudnn_attention=True),
 }
 
 

@@ -294,7 +294,7 @@ class PrefillGraphs:
         """``batch`` over ``static`` (the same views), rewritten as an all-padding step on the scratch slot."""
         pad = batch.pad
         T, N, S = batch.input_ids.shape[0], pad.seqs, pad.splits
-        fields = split_static(static, T, N, self.pool.layout, S)
+        fields = split_static(static, T, N, self.pool.layout, S, self.runner.kda_chunk_size)
         fields["input_ids"].zero_()
         if fields["slot_pages"].numel():
             fields["slot_pages"][:] = torch.tensor(self.scratch_slot(), device=static.device)
@@ -310,12 +310,14 @@ class PrefillGraphs:
             kcu = torch.full((N + 1,), rows, dtype=torch.long)
             kcu[0] = 0
             fields["rows"].copy_(torch.arange(T))
+            fields["src"].copy_(torch.arange(rows) % T)
+            fields["ident"].copy_(torch.arange(T, rows))
             fields["kda_cu"].copy_(kcu)
             fields["hidx"].zero_()
             fields["conv_rows"].zero_()
             if fields["ckpt"].numel():
                 fields["ckpt"][:] = torch.tensor(self.scratch_slot(), device=static.device)
-            split = KdaSplit(**{f: fields[f] for f in ("rows", "kda_cu", "hidx", "conv_rows", "ckpt")},
+            split = KdaSplit(**{f: fields[f] for f in ("rows", "src", "ident", "kda_cu", "hidx", "conv_rows", "ckpt")},
                              padded_rows=rows, cu_cpu=kcu)
         return ForwardBatch(
             input_ids=fields["input_ids"], num_decode=0, prefill_starts=[], prefill_lens=[],

@@ -825,7 +825,8 @@ class RolloutEngine:
             S = split["ckpt"].shape[0]
             self._split_checkpoints += S
         if bucket is not None:
-            fixed = sum(math.prod(shape) for _, shape in static_parts(len(ids), n_all, self.layout, S))
+            fixed = sum(math.prod(shape) for _, shape in static_parts(len(ids), n_all, self.layout, S,
+                                                                      self.runner.kda_chunk_size))
             batch.prefill_offsets = (cu_t, cu)
             batch.pad = GraphPad(tokens=T, seqs=n_all, logits=L, static=buf[:fixed], splits=S)
         if has_mla and len(multi) > 1:
@@ -861,11 +862,14 @@ class RolloutEngine:
         n = _longs(lens[nd:])
         shift = (cu[:-1] + _longs(front)) - (row0[nd:] - nd)  # a row's padded place: its own plus its sequence's shift
         dst = torch.arange(rows - nd) + torch.repeat_interleave(shift, n, output_size=rows - nd)
+        src = torch.zeros(int(cu[-1]), dtype=torch.long).index_copy_(0, dst, torch.arange(rows - nd))
+        identity = torch.ones(int(cu[-1]), dtype=torch.bool).index_fill_(0, dst, False)
         host = dict(padded_rows=int(cu[-1]), cu_cpu=cu,
                     lens_before=[at[i][0] if i in at else lens[i] for i in range(nd, len(lens))],
                     lens_after=[lens[i] - at[i][0] if i in at else 0 for i in range(nd, len(lens))])
         pps = self.layout.pages_per_slot
-        return dict(rows=dst, kda_cu=cu, hidx=_longs(hidx), conv_rows=torch.stack(conv),
+        return dict(rows=dst, src=src, ident=identity.nonzero()[:, 0], kda_cu=cu, hidx=_longs(hidx),
+                    conv_rows=torch.stack(conv),
                     ckpt=_longs([p for c in ckpt for p in c]).view(len(ckpt), pps)), host
 
     def _prefill_bucket(self, tokens: int, seqs: int) -> tuple[int, int] | None:

@@ -92,17 +92,21 @@ class KdaSplit:
     """KDA checkpoints inside a prefill chunk (``EngineConfig.checkpoint_in_step``): a sequence whose chunk crosses a
     block boundary that wants a checkpoint runs on past it, and the checkpoint is read off the chunked kernel's
     intermediate states (the state entering each chunk of ``chunk_size`` rows, counted from the sequence's first
-    row). Identity rows (q = k = v = 0, gate and beta logits ``IDENTITY_LOGIT``: they leave the state as it was)
-    in front of a split sequence, ``(start − boundary) mod chunk_size`` of them, put its boundary on that grid. So a
-    step with checkpoints is one KDA call per layer, like a step without: the extra work is the padded copies of
-    the inputs, a gather of the outputs and two small copies per checkpoint, where taking the state in a second
-    call over the rows after the boundary cost ~40 more kernels per layer (docs/BENCHMARKS.md). The checkpoint is
+    row). Identity rows (gate and beta logits ``IDENTITY_LOGIT``: decay e⁰ and β = 0 leave the state as it was
+    and add nothing to any other row, whatever their q, k and v) in front of a split sequence,
+    ``(start − boundary) mod chunk_size`` of them, put its boundary on that grid. So a step with checkpoints is one
+    KDA call per layer, like a step without: the extra work is the padded copies of the inputs (one gather of the
+    conv'd q, k, v, whose identity rows repeat a real row, and a gather and a fill each for the gate and beta), a
+    gather of the outputs and two small copies per checkpoint, where taking the state in a second call over the
+    rows after the boundary cost ~40 more kernels per layer (docs/BENCHMARKS.md). The checkpoint is
     in the kernel's dtype for ``h``: FLA keeps its states in fp32 registers and writes ``h`` in the inputs' dtype,
     so a bf16 model's in-step checkpoints are rounded to bf16 (an fp32 model's are exact).
     Rows are indices into the step's multi-token rows; slot tensors are ``[n, pages_per_slot]`` like
     ``ForwardBatch.slot_pages``."""
 
     rows: torch.Tensor  # [P] each multi-token row's row in the padded KDA input (the rest: identity rows)
+    src: torch.Tensor  # [R] each padded row's multi-token row (an identity row's: any real one, its q, k, v unused)
+    ident: torch.Tensor  # [R − P] the identity rows among the padded ones
     kda_cu: torch.Tensor  # [M + 1] the multi-token sequences' offsets in the padded input
     hidx: torch.Tensor  # [S] each checkpoint's chunk among the kernel's intermediate states
     conv_rows: torch.Tensor  # [S, kernel − 1] rows of the conv buffer (ForwardBatch.conv_src's) before each boundary
@@ -116,11 +120,13 @@ class KdaSplit:
     lens_after: list[int] | None = None
 
 
-def split_parts(P: int, M: int, S: int, layout: PoolLayout) -> list[tuple[str, tuple[int, ...]]]:
+def split_parts(P: int, M: int, S: int, layout: PoolLayout, C: int) -> list[tuple[str, tuple[int, ...]]]:
     """``KdaSplit``'s tensors (all int64) and shapes for ``P`` multi-token rows, ``M`` multi-token sequences and
-    ``S`` checkpoints: the order of the step's host-to-device buffer."""
+    ``S`` checkpoints in a padded step, whose KDA input has room for ``C`` (the chunk size) identity rows per
+    checkpoint: the order of the step's host-to-device buffer."""
     pps, W = layout.pages_per_slot, layout.conv_width
-    return [("rows", (P,)), ("kda_cu", (M + 1,)), ("hidx", (S,)), ("conv_rows", (S, W)), ("ckpt", (S, pps))]
+    return [("rows", (P,)), ("src", (P + C * S,)), ("ident", (C * S,)), ("kda_cu", (M + 1,)), ("hidx", (S,)),
+            ("conv_rows", (S, W)), ("ckpt", (S, pps))]
 
 
 @dataclass
@@ -140,22 +146,24 @@ class GraphPad:
     splits: int = 0  # KdaSplit's S (the static head then holds its tensors: ``split_parts``)
 
 
-def static_parts(T: int, N: int, layout: PoolLayout, S: int = 0) -> list[tuple[str, tuple[int, ...]]]:
+def static_parts(T: int, N: int, layout: PoolLayout, S: int = 0, C: int = 0) -> list[tuple[str, tuple[int, ...]]]:
     """The fixed-layout head of a padded step's host-to-device buffer (``GraphPad.static``): each part's name and
-    shape for ``T`` tokens and ``N`` sequences (and ``S`` KDA checkpoints, ``split_parts``). Its size depends only on
-    (T, N, S), so a prefill graph's inputs are one buffer of that size and a step's are copied into it at once."""
+    shape for ``T`` tokens and ``N`` sequences (and ``S`` KDA checkpoints, with KDA chunks of ``C`` rows:
+    ``split_parts``). Its size depends only on (T, N, S), so a prefill graph's inputs are one buffer of that size and
+    a step's are copied into it at once."""
     W, mla = layout.conv_width, bool(layout.mla_layers)
     parts = [
         ("input_ids", (T,)), ("slot_pages", (N, layout.pages_per_slot)), ("write_pages", (T if mla else 0,)),
         ("write_offsets", (T if mla else 0,)), ("logit_rows", (N,)), ("conv_src", (T, W + 1)), ("conv_new", (N, W)),
         ("cu", (N + 1,)),
     ]
-    return parts + (split_parts(T, N, S, layout) if S else [])
+    return parts + (split_parts(T, N, S, layout, C) if S else [])
 
 
-def split_static(static: torch.Tensor, T: int, N: int, layout: PoolLayout, S: int = 0) -> dict[str, torch.Tensor]:
+def split_static(static: torch.Tensor, T: int, N: int, layout: PoolLayout, S: int = 0,
+                 C: int = 0) -> dict[str, torch.Tensor]:
     """``static_parts``' views of a flat buffer."""
-    parts = static_parts(T, N, layout, S)
+    parts = static_parts(T, N, layout, S, C)
     sizes = [math.prod(shape) for _, shape in parts]
     return {name: x.view(shape) for (name, shape), x in zip(parts, static.split(sizes))}
 
@@ -368,8 +376,9 @@ class ModelRunner:
             if sp is None:
                 outs.append(self._chunk(attn, x, states, page_col, *b.prefill_offsets, b, kwargs))
             else:  # the rows in their padded places, identity rows around them; the states at the boundaries from h
-                fill = (0.0, 0.0, 0.0, IDENTITY_LOGIT, IDENTITY_LOGIT)
-                x = [t.new_full((sp.padded_rows, *t.shape[1:]), f).index_copy_(0, sp.rows, t) for t, f in zip(x, fill)]
+                qkv_p = conv[nd:].index_select(0, sp.src).view(-1, 3, H, K)  # identity rows: copies of a real row
+                g_p, beta_p = (t.index_select(0, sp.src).index_fill_(0, sp.ident, IDENTITY_LOGIT) for t in x[3:])
+                x = (qkv_p[:, 0], qkv_p[:, 1], qkv_p[:, 2], g_p, beta_p)
                 o, h = self._chunk(attn, x, states, page_col, sp.kda_cu, sp.cu_cpu, b, kwargs, intermediate=True)
                 states[sp.ckpt[:, page_col]] = h[0, sp.hidx].to(states.dtype)
                 outs.append(o[sp.rows])

@@ -246,25 +246,29 @@ def test_intermediate_states_refuse_inputs_that_want_gradients():
 
 @pytest.mark.parametrize("gate", GATES, ids=["safe_gate", "softplus"])
 def test_identity_rows_leave_the_state_and_the_other_rows_alone(gate):
-    """Rows with q = k = v = 0 and gate and beta logits ``IDENTITY_LOGIT`` are identity steps: inserted anywhere in a
-    sequence (here: in front, and in the middle) they change neither its other rows' outputs nor its final state,
-    and output 0. The engine aligns a KDA checkpoint to the chunk grid with them (runner.KdaSplit)."""
+    """Rows with gate and beta logits ``IDENTITY_LOGIT`` are identity steps, whatever their q, k and v: inserted
+    anywhere in a sequence (here: in front, and in the middle) they change neither its other rows' outputs nor its
+    final state (with q = k = v = 0 they output 0). The engine aligns a KDA checkpoint to the chunk grid with
+    them, their q, k, v copied from a real row (runner.KdaSplit)."""
     dtype = torch.float64
     q, k, v, g, beta, _ = make_inputs(1, 90, 2, 16, 8, dtype, HV=4, raw=True)
     h0 = torch.randn(1, 4, 8, 16, dtype=dtype)
     kw = _in_kernel(gate, 4, 16, dtype)
     o, s = torch_chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw)
     real = torch.cat([torch.arange(7, 47), torch.arange(60, 110)])  # 7 rows in front, 13 after row 40
-    pad = [torch.zeros(1, 110, *t.shape[2:], dtype=dtype) for t in (q, k, v)]
-    pad += [torch.full((1, 110, *t.shape[2:]), IDENTITY_LOGIT, dtype=dtype) for t in (g, beta)]
-    for p, t in zip(pad, (q, k, v, g, beta)):
-        p[:, real] = t
-    for fn in (torch_chunk_kda, naive_recurrent_kda):
-        o_p, s_p = fn(*pad, initial_state=h0, output_final_state=True, **kw)
-        assert rel_err(o_p[:, real], o) <= TOL[dtype] and rel_err(s_p, s) <= TOL[dtype], fn.__name__
-        mask = torch.ones(110, dtype=torch.bool)
-        mask[real] = False
-        assert torch.equal(o_p[:, mask], torch.zeros_like(o_p[:, mask])), fn.__name__
+    mask = torch.ones(110, dtype=torch.bool)
+    mask[real] = False
+    for qkv in ("zero", "random"):
+        pad = [(torch.zeros if qkv == "zero" else torch.randn)(1, 110, *t.shape[2:], dtype=dtype) * 3
+               for t in (q, k, v)]
+        pad += [torch.full((1, 110, *t.shape[2:]), IDENTITY_LOGIT, dtype=dtype) for t in (g, beta)]
+        for p, t in zip(pad, (q, k, v, g, beta)):
+            p[:, real] = t
+        for fn in (torch_chunk_kda, naive_recurrent_kda):
+            o_p, s_p = fn(*pad, initial_state=h0, output_final_state=True, **kw)
+            assert rel_err(o_p[:, real], o) <= TOL[dtype] and rel_err(s_p, s) <= TOL[dtype], (fn.__name__, qkv)
+            if qkv == "zero":
+                assert torch.equal(o_p[:, mask], torch.zeros_like(o_p[:, mask])), fn.__name__
 
 
 @pytest.mark.gpu
@@ -296,10 +300,11 @@ def test_fla_intermediate_states_and_identity_rows_equal_the_torch_path(graph):
         outs[backend] = o, s[: len(lengths)], h[:, : sum(-(-n // C) for n in lengths)]
     for name, a, b in zip(("o", "final", "h"), outs["fla"], outs["torch"]):
         assert rel_err(a, b) <= 2e-3, f"{name}: rel err {rel_err(a, b):.2e}"
-    # 23 identity rows in front of the second sequence: its boundary 41 rows in lands on the grid (chunk 1)
+    # 23 identity rows in front of the second sequence: its boundary 41 rows in lands on the grid (chunk 1); their
+    # q, k, v are copies of real rows (what the engine gives them), their gate and beta logits IDENTITY_LOGIT
     a, b = int(offs[1]), int(offs[2])
-    pad = [torch.cat([torch.full((1, 23, *t.shape[2:]), f, device=dev), t[:, a:b]], 1)
-           for t, f in zip((q, k, v, g, beta), (0.0, 0.0, 0.0, IDENTITY_LOGIT, IDENTITY_LOGIT))]
+    pad = [torch.cat([t[:, :23] if f is None else torch.full((1, 23, *t.shape[2:]), f, device=dev), t[:, a:b]], 1)
+           for t, f in zip((q, k, v, g, beta), (None, None, None, IDENTITY_LOGIT, IDENTITY_LOGIT))]
     o_p, s_p, h_p = chunk_kda(*pad, initial_state=h0[1:2], output_final_state=True, chunk_size=C, backend="fla",
                               return_intermediate_states=True, **kw)
     assert rel_err(o_p[:, 23:], outs["fla"][0][:, a:b]) <= 2e-3 and rel_err(s_p, outs["fla"][1][1:2]) <= 2e-3
