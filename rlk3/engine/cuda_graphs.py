@@ -314,7 +314,8 @@ class PrefillGraphs:
             fields["ident"].copy_(torch.arange(T, rows))
             fields["kda_cu"].copy_(kcu)
             fields["hidx"].zero_()
-            fields["conv_rows"].zero_()
+            fields["conv_rows"][:N].copy_(fields["conv_new"])  # the conv caches, as the batch's; checkpoints' row 0
+            fields["conv_rows"][N:].zero_()
             if fields["ckpt"].numel():
                 fields["ckpt"][:] = torch.tensor(self.scratch_slot(), device=static.device)
             split = KdaSplit(**{f: fields[f] for f in ("rows", "src", "ident", "kda_cu", "hidx", "conv_rows", "ckpt")},

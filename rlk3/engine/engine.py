@@ -804,7 +804,8 @@ class RolloutEngine:
         slot_t = _longs(slots).view(n_all, self.layout.pages_per_slot)
         cu = torch.cat([torch.zeros(1, dtype=torch.long), n_seq.cumsum(0)])
         nd = N - len(multi)
-        split, split_host = self._kda_split(plan, nd, lens_all, row0, len(ids), bucket is not None, conv_rows)
+        split, split_host = self._kda_split(plan, nd, lens_all, row0, len(ids), bucket is not None, conv_rows,
+                                            conv_new)
         # the fixed-layout part first (runner.static_parts: a prefill graph copies it in one operation)
         parts = [_longs(ids), slot_t, write_pages, write_offsets, _longs(logit_rows),
                  conv_src, conv_new, cu, *split.values(), table, _longs(seq_lens)]
@@ -834,11 +835,12 @@ class RolloutEngine:
         return batch
 
     def _kda_split(self, plan, nd: int, lens: list[int], row0: torch.Tensor, rows: int, padded: bool,
-                   conv_rows) -> tuple[dict[str, torch.Tensor], dict]:
+                   conv_rows, conv_new: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict]:
         """``KdaSplit``'s tensors (host) for the sequences the scheduler split at a checkpoint boundary inside their
         chunk (``Request.split_at``), in ``runner.split_parts`` order, and its host fields; empty when there are
         none. ``lens`` and ``row0`` cover every sequence of the step (padding ones included), ``rows`` its
-        tokens; ``conv_rows`` maps (sequence, first row, chunk inputs) to rows of the conv buffer. A padded step's KDA
+        tokens; ``conv_rows`` maps (sequence, first row, chunk inputs) to rows of the conv buffer, ``conv_new`` holds
+        every sequence's new conv cache's rows there (the checkpoints' rows follow them). A padded step's KDA
         input has room for a chunk of identity rows per checkpoint (a shape that depends only on the count); what a
         step does not use goes to its padding sequence."""
         at = {i: (req.split_at - req.num_computed, req.split_slot) for i, (req, _) in enumerate(plan)
@@ -869,7 +871,7 @@ class RolloutEngine:
                     lens_after=[lens[i] - at[i][0] if i in at else 0 for i in range(nd, len(lens))])
         pps = self.layout.pages_per_slot
         return dict(rows=dst, src=src, ident=identity.nonzero()[:, 0], kda_cu=cu, hidx=_longs(hidx),
-                    conv_rows=torch.stack(conv),
+                    conv_rows=torch.cat([conv_new, torch.stack(conv)]),
                     ckpt=_longs([p for c in ckpt for p in c]).view(len(ckpt), pps)), host
 
     def _prefill_bucket(self, tokens: int, seqs: int) -> tuple[int, int] | None:

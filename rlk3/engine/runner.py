@@ -109,7 +109,9 @@ class KdaSplit:
     ident: torch.Tensor  # [R − P] the identity rows among the padded ones
     kda_cu: torch.Tensor  # [M + 1] the multi-token sequences' offsets in the padded input
     hidx: torch.Tensor  # [S] each checkpoint's chunk among the kernel's intermediate states
-    conv_rows: torch.Tensor  # [S, kernel − 1] rows of the conv buffer (ForwardBatch.conv_src's) before each boundary
+    # [N + S, kernel − 1] rows of the conv buffer (ForwardBatch.conv_src's): every sequence's new conv cache
+    # (ForwardBatch.conv_new), then the inputs before each boundary (the checkpoint's), gathered in the same pass
+    conv_rows: torch.Tensor
     ckpt: torch.Tensor  # [S, pps] the checkpoint slots, which also take those conv rows
     padded_rows: int = 0  # the padded input's length
     cu_cpu: torch.Tensor | None = None  # host copy of ``kda_cu`` (the torch path and FLA's eager mode read it)
@@ -126,7 +128,7 @@ def split_parts(P: int, M: int, S: int, layout: PoolLayout, C: int) -> list[tupl
     checkpoint: the order of the step's host-to-device buffer."""
     pps, W = layout.pages_per_slot, layout.conv_width
     return [("rows", (P,)), ("src", (P + C * S,)), ("ident", (C * S,)), ("kda_cu", (M + 1,)), ("hidx", (S,)),
-            ("conv_rows", (S, W)), ("ckpt", (S, pps))]
+            ("conv_rows", (M + S, W)), ("ckpt", (S, pps))]
 
 
 @dataclass
@@ -350,13 +352,13 @@ class ModelRunner:
 
         # q, k, v (conv'd together), the forget-gate input, beta, the output gate: one matmul
         qkv, f_a, beta, gate = F.linear(h, w_in).split(self._splits[idx], dim=-1)
-        src, new = (None, None) if nd == T else (b.conv_src, b.conv_new)
-        cached = convs[pages]
-        conv, g, cache = self._kda_input(attn, qkv, f_a, cached, w_conv, src, new)
         sp = b.kda_split
-        if sp is not None:  # the conv caches at the checkpoints: the kernel − 1 inputs before each boundary
-            rows = torch.cat([cached.reshape(-1, cached.shape[-1]).to(qkv.dtype), qkv])[sp.conv_rows]
-            convs[sp.ckpt[:, page_col]] = rows.to(convs.dtype)
+        # with checkpoints the conv gathers also take the conv caches at the boundaries (KdaSplit.conv_rows)
+        src, new = (None, None) if nd == T else (b.conv_src, b.conv_new if sp is None else sp.conv_rows)
+        conv, g, cache = self._kda_input(attn, qkv, f_a, convs[pages], w_conv, src, new)
+        if sp is not None:
+            convs[sp.ckpt[:, page_col]] = cache[pages.shape[0] :].to(convs.dtype)
+            cache = cache[: pages.shape[0]]
         convs[pages] = cache.to(convs.dtype)
         q, k, v = (t.view(T, H, K) for t in conv.chunk(3, dim=-1))
         g = g.view(T, H, K)
