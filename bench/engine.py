@@ -247,6 +247,7 @@ def conversation(engine, vocab: int, turns: int, turn_tokens: int, gen_tokens: i
         per_turn.append(dict(turn=turn + 1, context=sum(map(len, convs)), cached=sum(r.num_cached_tokens for r in res),
                              **prefill_between(before, engine.stats()), turn_cpu_seconds=time.process_time() - cpu))
         convs = [c + r.token_ids for c, r in zip(convs, res)]
+        per_turn[-1]["token_ids"] = [r.token_ids for r in res]
     return dict(split_checkpoints=engine.stats().split_checkpoints - first.split_checkpoints,
                 **{k: sum(t[k] for t in per_turn) for k in ("prefill_tokens", "prefill_seconds", "capture_seconds")},
                 cpu_seconds=sum(t["turn_cpu_seconds"] for t in per_turn), turns=per_turn)

@@ -65,14 +65,21 @@ def main() -> None:
             c = conversation(engines[n], vocab, 10, 2048, 16, device, 3 + r)
             runs[n].append(dict(prefill_seconds=c["prefill_seconds"], prefill_tokens=c["prefill_tokens"],
                                 split_checkpoints=c["split_checkpoints"],
-                                turn_ms=[round(t["prefill_seconds"] * 1e3, 2) for t in c["turns"]]))
+                                turn_ms=[round(t["prefill_seconds"] * 1e3, 2) for t in c["turns"]],
+                                token_ids=[t["token_ids"] for t in c["turns"]]))
+    # greedy replies that differ from the first variant's (a bf16 near-tie may flip one; many would be a bug)
+    for n in names:
+        runs[n][0]["replies_unlike_first_variant"] = sum(
+            a != b for x, y in zip(runs[n], runs[names[0]]) for a, b in zip(x["token_ids"], y["token_ids"]))
     best = {n: min(x["prefill_seconds"] for x in v) for n, v in runs.items()}
     print(f"\n{preset} ({dtype}, {device}), best of {args.reps}; ratio = no_cache / variant")
-    print("| variant | prefill tokens | KDA splits | prefill s (best) | ratio |")
-    print("|---|---:|---:|---:|---:|")
+    print(f"| variant | prefill tokens | KDA splits | prefill s (best) | ratio | replies unlike {names[0]}'s |")
+    print("|---|---:|---:|---:|---:|---:|")
     for n in names:
         ratio = f"{best['no_cache'] / best[n]:.2f}x" if "no_cache" in best else "-"
-        print(f"| {n} | {runs[n][0]['prefill_tokens']} | {runs[n][0]['split_checkpoints']} | {best[n]:.4f} | {ratio} |")
+        r = runs[n][0]
+        print(f"| {n} | {r['prefill_tokens']} | {r['split_checkpoints']} | {best[n]:.4f} | {ratio} "
+              f"| {r['replies_unlike_first_variant']} of {len(runs[n]) * len(r['token_ids'])} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(
         device=str(device), gpu=torch.cuda.get_device_name(device) if cuda else None, preset=preset,
