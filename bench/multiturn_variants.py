@@ -67,10 +67,10 @@ def main() -> None:
                                 split_checkpoints=c["split_checkpoints"],
                                 turn_ms=[round(t["prefill_seconds"] * 1e3, 2) for t in c["turns"]],
                                 token_ids=[t["token_ids"] for t in c["turns"]]))
-    # greedy replies that differ from the first variant's (a bf16 near-tie may flip one; many would be a bug)
-    for n in names:
-        runs[n][0]["replies_unlike_first_variant"] = sum(
-            a != b for x, y in zip(runs[n], runs[names[0]]) for a, b in zip(x["token_ids"], y["token_ids"]))
+    # greedy replies that differ from the first variant's, of all timed turns (a bf16 near-tie may flip one)
+    unlike = {n: sum(a != b for x, y in zip(runs[n], runs[names[0]]) for a, b in zip(x["token_ids"], y["token_ids"]))
+              for n in names}
+    replies = args.reps * len(runs[names[0]][0]["token_ids"])
     best = {n: min(x["prefill_seconds"] for x in v) for n, v in runs.items()}
     print(f"\n{preset} ({dtype}, {device}), best of {args.reps}; ratio = no_cache / variant")
     print(f"| variant | prefill tokens | KDA splits | prefill s (best) | ratio | replies unlike {names[0]}'s |")
@@ -79,11 +79,12 @@ def main() -> None:
         ratio = f"{best['no_cache'] / best[n]:.2f}x" if "no_cache" in best else "-"
         r = runs[n][0]
         print(f"| {n} | {r['prefill_tokens']} | {r['split_checkpoints']} | {best[n]:.4f} | {ratio} "
-              f"| {r['replies_unlike_first_variant']} of {len(runs[n]) * len(r['token_ids'])} |")
+              f"| {unlike[n]} of {replies} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(
         device=str(device), gpu=torch.cuda.get_device_name(device) if cuda else None, preset=preset,
         alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), torch=torch.__version__, runs=runs, best=best,
+        replies_unlike_first_variant=unlike,
     ), indent=1))
 
 

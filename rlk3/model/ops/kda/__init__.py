@@ -37,9 +37,9 @@ __all__ = [
 BACKENDS = (None, "torch", "fla")
 
 # A raw gate and beta logit that make a token the identity with the in-kernel gate and beta-sigmoid: decay
-# e^0 (both gates of ``kda_gate`` reach 0 from below, softplus and sigmoid underflowing in fp32) and beta 0; with q =
-# k = v = 0 beside them the token leaves the state as it was and outputs 0. Finite, so that no kernel forms
-# 0 · inf; representable in bf16 (fp32's exponent range).
+# e^0 (both gates of ``kda_gate`` reach 0 from below, softplus and sigmoid underflowing in fp32) and beta 0: the token
+# leaves the state as it was and adds nothing to any other token's output, whatever its (finite) q, k and v; with q =
+# k = v = 0 it also outputs 0. Finite, so that no kernel forms 0 · inf; representable in bf16 (fp32's exponent range).
 IDENTITY_LOGIT = -1e30
 
 
