@@ -100,6 +100,7 @@ class PrefixCacheStats:
     restores: int  # spilled blocks brought back on a hit
     checkpoints_taken: int
     checkpoints_skipped: int  # no room for a checkpoint even after eviction
+    checkpoints_dropped: int  # stale block checkpoints dropped alone under memory pressure (drop_stale_checkpoints)
     tails_taken: int
     tail_hits: int  # of the hits, those that resumed after a tail
 
@@ -244,8 +245,8 @@ class RolloutEngine:
         self.pool = PagedPool(self.layout, budget_bytes(config.memory_bytes, config.memory_fraction, self.device),
                               self.device)
         self.prefix = (
-            PrefixCache(self.pool, config.prefix_block_tokens, config.spill_bytes) if config.enable_prefix_cache
-            else None
+            PrefixCache(self.pool, config.prefix_block_tokens, config.spill_bytes, config.drop_stale_checkpoints)
+            if config.enable_prefix_cache else None
         )
         self.requests: dict[str, Request] = {}
         self.scheduler = Scheduler(config, self.pool, self.prefix, self.requests)
@@ -601,7 +602,8 @@ class RolloutEngine:
                 blocks=c.num_blocks, checkpoints=c.num_checkpoints, tails=c.num_tails, lookups=c.lookups, hits=c.hits,
                 hit_tokens=c.hit_tokens, evictions=c.evictions, spilled_blocks=len(c.spilled),
                 spilled_bytes=c.spilled_bytes, restores=c.restores, checkpoints_taken=c.checkpoints_taken,
-                checkpoints_skipped=c.checkpoints_skipped, tails_taken=c.tails_taken, tail_hits=c.tail_hits,
+                checkpoints_skipped=c.checkpoints_skipped, checkpoints_dropped=c.checkpoints_dropped,
+                tails_taken=c.tails_taken, tail_hits=c.tail_hits,
             )
         return EngineStats(
             version=self.version, kernels=self.kernels, steps=self._steps, prefill_tokens=self._prefill_tokens,
@@ -652,6 +654,8 @@ class RolloutEngine:
         if self.prefix is not None:
             for p in self.prefix.pages_held():
                 refs[p] += 1
+            dated = {k for k, e in self.prefix.device.items() if e.checkpoint is not None and not e.tail}
+            assert set(self.prefix.checkpoints) == dated, "the checkpoints' recency list disagrees with the cache"
         for graphs in (self._graphs, self._prefill_graphs):
             for p in graphs.scratch if graphs is not None else []:
                 refs[p] += 1

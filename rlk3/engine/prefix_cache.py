@@ -17,6 +17,15 @@ block boundaries (DESIGN.md §4, the seed's "KDA states and MLA KV blocks share 
 * Eviction is LRU over entries that would free pages. A chain is touched leaf first, so its root is the most
   recently used and a prefix is evicted from its tail. With ``spill_bytes > 0`` evicted entries are copied to
   CPU memory (its own LRU) and come back on a hit.
+* **Stale checkpoints go first** (``drop_stale``). A block's checkpoint is a whole KDA slot — in k3-small the
+  bytes of 4,608 tokens of MLA latents, in k3-full 17,664 — and its recency is not its block's: every lookup that
+  matches a conversation touches all its blocks, but resumes only from the latest checkpoint it reaches. So a
+  checkpoint is dated by when it was taken or last resumed from, and when that is older than the LRU entry's last
+  use, the checkpoint alone is dropped (its block keeps its MLA pages, so the prefix still matches up to the
+  deeper checkpoints). An agent loop that re-sends its conversation leaves one such checkpoint per turn that no
+  later turn resumes from; plain LRU keeps them as long as the conversation is alive, most of its footprint.
+  A tail's checkpoint is its reason to exist: tails leave whole, by the LRU order (nothing touches a tail except
+  the lookup that resumes from it).
 """
 
 from __future__ import annotations
@@ -54,6 +63,8 @@ class Entry:
     spilled_checkpoint: torch.Tensor | None = None
     tail: int = 0  # a tail entry: its tokens (fewer than a block) after ``depth`` full blocks; 0 for a full block
     parent: bytes | None = None  # a tail's parent key (ROOT at depth 0)
+    touched: int = 0  # the cache's clock when the entry was last inserted, matched or resumed from
+    used: int = 0  # ... when its checkpoint was last taken or resumed from
 
     @property
     def has_checkpoint(self) -> bool:
@@ -75,18 +86,23 @@ class Match:
 
 
 class PrefixCache:
-    def __init__(self, pool: PagedPool, block_tokens: int, spill_bytes: int = 0):
+    def __init__(self, pool: PagedPool, block_tokens: int, spill_bytes: int = 0, drop_stale: bool = True):
         self.pool = pool
         self.block_tokens = block_tokens
         self.pages_per_block = block_tokens // pool.layout.block_size if pool.layout.mla_layers else 0
         self.spill_limit = spill_bytes
+        self.drop_stale = drop_stale
+        self.clock = 0  # counts touches: dates entries (``touched``) and checkpoints (``used``)
         self.device: OrderedDict[bytes, Entry] = OrderedDict()  # LRU first
+        # the full blocks' checkpoints on the device, least recently taken or resumed from first
+        self.checkpoints: OrderedDict[bytes, Entry] = OrderedDict()
         self.spilled: OrderedDict[bytes, Entry] = OrderedDict()
         self.spilled_bytes = 0
         self.tails: dict[bytes, set[tuple[int, bytes]]] = {}  # parent key -> (tail tokens, tail key), either store
         # counters for stats()
         self.lookups = self.hits = self.hit_tokens = self.tail_hits = self.tails_taken = 0
         self.evictions = self.spills = self.restores = self.checkpoints_taken = self.checkpoints_skipped = 0
+        self.checkpoints_dropped = 0
 
     # -- contents
 
@@ -97,6 +113,10 @@ class PrefixCache:
     @property
     def num_checkpoints(self) -> int:
         return sum(e.checkpoint is not None for e in self.device.values())
+
+    def _tick(self) -> int:
+        self.clock += 1
+        return self.clock
 
     @property
     def num_tails(self) -> int:
@@ -121,13 +141,28 @@ class PrefixCache:
             self.spilled_bytes -= spilled.spilled_bytes
             spilled.spilled_pages = spilled.spilled_checkpoint = None
         self.pool.incref(pages)
-        self.device[key] = Entry(key, depth, pages=list(pages))
+        self.device[key] = Entry(key, depth, pages=list(pages), touched=self._tick())
 
     def touch(self, keys: list[bytes]) -> None:
         """Marks a chain used, leaf first, so that LRU eviction takes a prefix from its tail."""
         for key in reversed(keys):
-            if key in self.device:
+            entry = self.device.get(key)
+            if entry is not None:
                 self.device.move_to_end(key)
+                entry.touched = self._tick()
+
+    def resumed(self, entry: Entry) -> None:
+        """A request resumes from ``entry``'s checkpoint: the checkpoint is in use again (module docstring)."""
+        entry.used = self._tick()
+        if entry.key in self.checkpoints:
+            self.checkpoints.move_to_end(entry.key)
+
+    def _dated(self, entry: Entry) -> None:
+        """A full block's checkpoint arrived on the device (taken, or brought back from CPU memory)."""
+        entry.used = self._tick()
+        if not entry.tail:
+            self.checkpoints[entry.key] = entry
+            self.checkpoints.move_to_end(entry.key)
 
     def add_checkpoint(self, key: bytes, slot: list[int], protect: set[bytes] = frozenset()) -> bool:
         """Copies a request's KDA slot into a checkpoint for the block ``key`` (already inserted). Evicts LRU entries
@@ -141,6 +176,7 @@ class PrefixCache:
             return False
         self.pool.copy(slot, pages)
         entry.checkpoint = pages
+        self._dated(entry)
         self.checkpoints_taken += 1
         return True
 
@@ -159,6 +195,7 @@ class PrefixCache:
         if entry is None or entry.checkpoint is not None:
             return False
         entry.checkpoint = list(pages)
+        self._dated(entry)
         self.checkpoints_taken += 1
         return True
 
@@ -176,7 +213,9 @@ class PrefixCache:
             return None
         self.pool.copy(slot, ckpt)
         self.pool.incref(pages)
-        self.device[key] = Entry(key, depth, pages=list(pages), checkpoint=ckpt, tail=len(tokens), parent=parent)
+        self.device[key] = Entry(key, depth, pages=list(pages), checkpoint=ckpt, tail=len(tokens), parent=parent,
+                                 touched=self._tick())
+        self._dated(self.device[key])
         self.tails.setdefault(parent, set()).add((len(tokens), key))
         self.tails_taken += 1
         return key
@@ -259,6 +298,9 @@ class PrefixCache:
         entry.checkpoint = pages[n_mla:] if entry.spilled_checkpoint is not None else None
         entry.spilled_pages = entry.spilled_checkpoint = None
         self.device[entry.key] = entry
+        entry.touched = self._tick()
+        if entry.checkpoint is not None:
+            self._dated(entry)
         self.restores += 1
         return True
 
@@ -270,16 +312,30 @@ class PrefixCache:
         return bool(entry.pages) and all(self.pool.refcount[p] == 1 for p in entry.pages)
 
     def evict_one(self, protect: set[bytes] = frozenset()) -> bool:
-        """Evicts the least recently used entry that frees at least one page; False when none does."""
-        for key, entry in self.device.items():
-            if key in protect or not self._frees_pages(entry):
-                continue
-            self._evict(entry)
-            return True
-        return False
+        """Frees at least one page: the least recently used entry that frees any, unless (``drop_stale``) a full
+        block's checkpoint was last taken or resumed from before that entry was last used, whose checkpoint alone
+        goes then (module docstring). False when nothing frees a page."""
+        lru = next((e for k, e in self.device.items() if k not in protect and self._frees_pages(e)), None)
+        if self.drop_stale:
+            stale = next((e for k, e in self.checkpoints.items() if k not in protect), None)
+            if stale is not None and (lru is None or stale.used < lru.touched):
+                self._drop_checkpoint(stale)
+                return True
+        if lru is None:
+            return False
+        self._evict(lru)
+        return True
+
+    def _drop_checkpoint(self, entry: Entry) -> None:
+        """A full block's checkpoint leaves the device; the block stays cached (its MLA pages, its key)."""
+        del self.checkpoints[entry.key]
+        pages, entry.checkpoint = entry.checkpoint, None
+        self.checkpoints_dropped += 1
+        self.pool.decref(pages)
 
     def _evict(self, entry: Entry) -> None:
         del self.device[entry.key]
+        self.checkpoints.pop(entry.key, None)
         self.evictions += 1
         owned = (entry.pages or []) + (entry.checkpoint or [])
         if self.spill_limit > 0:
@@ -306,6 +362,7 @@ class PrefixCache:
         for entry in list(self.device.values()):
             self.pool.decref((entry.pages or []) + (entry.checkpoint or []))
         self.device.clear()
+        self.checkpoints.clear()
         self.spilled.clear()
         self.tails.clear()
         self.spilled_bytes = 0

@@ -178,6 +178,7 @@ class Scheduler:
                 entries = match.entries
             if entries or tail is not None:
                 self.prefix.hits += 1
+                self.prefix.resumed(tail if tail is not None else entries[-1])
         shared = [p for e in entries for p in e.pages]
         need = self.pool.layout.pages_per_slot
         partial = False

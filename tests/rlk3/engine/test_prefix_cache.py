@@ -41,6 +41,14 @@ def test_shared_prefix_prefills_only_new_tokens_plus_one_interval(tiny):
     _check(tiny, b, res_b)
     stats = engine.stats().prefix_cache
     assert stats.hits == 1 and stats.hit_tokens == 1024
+    # resuming made the checkpoint at 1024 fresher than a's at 2048, taken after it (stale checkpoints go first under
+    # memory pressure: prefix_cache.py)
+    keys, key = [], ROOT
+    for i in range(4):
+        key = block_hash(key, a[i * 512 : (i + 1) * 512])
+        keys.append(key)
+    order = list(engine.prefix.checkpoints)
+    assert order.index(keys[1]) > order.index(keys[3])
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
@@ -190,6 +198,125 @@ def test_a_generation_end_tail_never_evicts_while_a_prompt_end_tail_may():
     cache.clear()
     pool.decref(owner)
     assert pool.num_free == pool.num_pages and not cache.tails
+
+
+def _chain(cache, pool, blocks: int, drop_stale: bool = True):
+    """A cache over a pool that holds exactly one request (a KDA slot and one MLA page per block) and two
+    checkpoints: blocks 0 .. blocks − 1 of one chain, a checkpoint after block 0 taken first (an earlier turn's),
+    then one after the last block. Returns (keys, the request's pages)."""
+    from rlk3.engine.prefix_cache import ROOT, block_hash
+
+    pps = pool.layout.pages_per_slot
+    owner = pool.alloc(pps + blocks)
+    keys, parent = [], ROOT
+    for d in range(blocks):
+        parent = block_hash(parent, [d + 1] * 512)
+        keys.append(parent)
+        cache.insert_block(parent, d, [owner[pps + d]])
+    cache.touch(keys)
+    assert cache.add_checkpoint(keys[0], owner[:pps]) and cache.add_checkpoint(keys[-1], owner[:pps])
+    assert pool.num_free == 0
+    return keys, owner
+
+
+def _cache(drop_stale: bool, blocks: int = 3):
+    import torch
+
+    from rlk3.engine.pool import PagedPool, PoolLayout
+    from rlk3.engine.prefix_cache import PrefixCache
+    from rlk3.model import K3Config
+
+    lay = PoolLayout.for_model(K3Config(), torch.float32)
+    pool = PagedPool(lay, budget=(3 * lay.pages_per_slot + blocks) * lay.page_bytes, device="cpu")
+    cache = PrefixCache(pool, block_tokens=512, drop_stale=drop_stale)
+    return cache, pool, *_chain(cache, pool, blocks)
+
+
+@pytest.mark.parametrize("drop_stale", [True, False], ids=["stale-first", "lru"])
+def test_a_checkpoint_no_lookup_resumes_from_goes_before_any_block(drop_stale):
+    """An agent loop's next turn matches the whole chain (every block touched) and resumes from its latest
+    checkpoint. Under memory pressure the earlier checkpoint, which that lookup passed over, is dropped alone: every
+    block stays, so the chain still matches and resumes at its end; only a request that diverges inside it loses
+    that resume point. Plain LRU instead evicts the chain's leaf (touched first), the latest checkpoint with it."""
+    cache, pool, keys, owner = _cache(drop_stale)
+    pps = pool.layout.pages_per_slot
+    match = cache.match(keys)
+    assert match.blocks == 3
+    cache.resumed(match.entries[-1])
+    assert cache.evict_one()
+    assert pool.num_free == pps
+    if drop_stale:
+        assert (cache.checkpoints_dropped, cache.evictions) == (1, 0)
+        assert all(k in cache.device for k in keys)  # every block and its MLA page stays
+        again = cache.match(keys)
+        assert again.blocks == 3  # the next turn still resumes at the end ...
+        cache.resumed(again.entries[-1])
+        inside = cache.match(keys[:2])
+        assert (inside.blocks, inside.matched) == (0, 2)  # ... and a branch inside the chain finds no state
+        # the checkpoint just resumed from is newer than the LRU entry's last use: that entry leaves whole
+        assert cache.evict_one() and (cache.checkpoints_dropped, cache.evictions) == (1, 1)
+        assert keys[-1] not in cache.device
+    else:
+        assert (cache.checkpoints_dropped, cache.evictions) == (0, 1)
+        assert keys[-1] not in cache.device  # the leaf went first, and the latest checkpoint with it
+        assert cache.match(keys).blocks == 1
+    cache.clear()
+    pool.decref(owner)
+    assert pool.num_free == pool.num_pages and not cache.checkpoints
+
+
+def test_a_checkpoint_resumed_from_is_fresh_again_and_a_protected_one_stays():
+    """Recency is per checkpoint: a branch that resumes from the earlier checkpoint makes it the newer one, and the
+    latest (taken before the lookups) is then the stale one. A checkpoint in ``protect`` (an admission's chain) is
+    never dropped."""
+    cache, pool, keys, owner = _cache(True)
+    cache.match(keys)
+    branch = cache.match(keys[:1])  # a request that leaves the chain after block 0 resumes there
+    assert branch.blocks == 1
+    cache.resumed(branch.entries[-1])
+    # with the stale one protected, no other checkpoint is older than the LRU entry's last use, so that entry (the
+    # unprotected one that frees pages: block 0, with the checkpoint just resumed from) leaves whole
+    assert cache.evict_one(protect={keys[-1]}) and (cache.checkpoints_dropped, cache.evictions) == (0, 1)
+    assert keys[0] not in cache.device and cache.device[keys[-1]].checkpoint is not None
+    cache.clear()
+    pool.decref(owner)
+    cache, pool, keys, owner = _cache(True)
+    cache.match(keys)
+    branch = cache.match(keys[:1])
+    cache.resumed(branch.entries[-1])
+    assert cache.evict_one()
+    assert cache.checkpoints_dropped == 1 and cache.device[keys[-1]].checkpoint is None
+    assert cache.device[keys[0]].checkpoint is not None
+    cache.clear()
+    pool.decref(owner)
+
+
+def test_agent_conversations_under_memory_pressure_keep_their_hits(tiny):
+    """Six conversations advance a turn at a time, each turn re-sending the conversation with the reply plus new
+    tokens (an agentic rollout batch), in a pool of a third of what an unbounded run's cache holds. Dropping the
+    checkpoints that no later turn resumes from keeps nearly every hit an unbounded pool gets; plain LRU over whole
+    entries recomputes much more. Every variant generates what a full forward gives."""
+    base = dict(prefix_block_tokens=64, checkpoint_interval=128, max_tokens_per_step=1024)
+
+    def rollout(cfg):
+        engine = RolloutEngine(tiny, cfg)
+        convs = [[] for _ in range(6)]
+        for turn in range(4):
+            prompts = [c + prompt(160, seed=100 * i + turn) for i, c in enumerate(convs)]
+            results = engine.generate(prompts, SamplingParams(max_tokens=4, temperature=0))
+            engine.check_invariants()
+            convs = [p + r.token_ids for p, r in zip(prompts, results)]
+        _check(tiny, prompts[0], results[0])
+        return engine.stats(), convs, engine
+
+    unbounded, want, engine = rollout(EngineConfig(memory_bytes=64 * 2**20, **base))
+    budget = unbounded.pool.prefix_cache_pages * engine.layout.page_bytes // 3
+    stale_first, got, _ = rollout(EngineConfig(memory_bytes=budget, **base))
+    lru, got_lru, _ = rollout(EngineConfig(memory_bytes=budget, drop_stale_checkpoints=False, **base))
+    assert got == want and got_lru == want
+    assert stale_first.prefix_cache.checkpoints_dropped > 0 and lru.prefix_cache.checkpoints_dropped == 0
+    assert stale_first.prefill_tokens <= 1.1 * unbounded.prefill_tokens, (stale_first, unbounded)
+    assert lru.prefill_tokens >= 1.3 * stale_first.prefill_tokens, (lru.prefill_tokens, stale_first.prefill_tokens)
 
 
 def _conversation(engine, turns: int = 4) -> list:
