@@ -59,7 +59,7 @@ def rollout(model, cfg: EngineConfig, args) -> dict:
     return dict(prefill_tokens=s.prefill_tokens, seconds=seconds, hits=c.hits if c else 0,
                 hit_tokens=c.hit_tokens if c else 0, evictions=c.evictions if c else 0,
                 checkpoints_dropped=c.checkpoints_dropped if c else 0,
-                cache_pages_at_end=held, total_pages=s.pool.total_pages, replies=replies)
+                cache_pages_at_end=held, total_pages=s.pool.total_pages, page_bytes=s.pool.page_bytes, replies=replies)
 
 
 def main() -> None:
@@ -72,17 +72,26 @@ def main() -> None:
     ap.add_argument("--interval", type=int, default=128, help="checkpoint_interval")
     ap.add_argument("--budget", default="0.6,0.4,0.25", help="pool sizes: fractions of what an unbounded run's "
                                                                   "cache holds at its end, comma-separated")
+    ap.add_argument("--device", default="cpu", help="cuda: k3-small in bf16 (its own proportions; pass --block 512 "
+                                                     "--interval 2048 --turn 2048 for the engine's defaults)")
     ap.add_argument("--out", default="prefix-capacity")
     args = ap.parse_args()
-    torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = K3ForCausalLM(K3Config.preset("k3-tiny")).eval()
-    base = dict(prefix_block_tokens=args.block, checkpoint_interval=args.interval, max_tokens_per_step=2048)
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+        model = K3ForCausalLM(K3Config.preset("k3-tiny")).eval()
+    else:
+        model = K3ForCausalLM(K3Config.preset("k3-small")).to(args.device, torch.bfloat16).eval()
+    base = dict(prefix_block_tokens=args.block, checkpoint_interval=args.interval,
+                max_tokens_per_step=2048 if args.device == "cpu" else None)
 
     # the footprint of an unbounded run: every block and checkpoint the conversations leave, plus what the running
     # batch holds (measured with a pool far larger than needed)
-    big = rollout(model, EngineConfig(memory_bytes=1 << 30, **base), args)
-    page_bytes = RolloutEngine(model, EngineConfig(memory_bytes=1 << 24, **base)).layout.page_bytes
+    unbounded = EngineConfig(memory_bytes=(1 << 30) if args.device == "cpu" else (40 << 30), **base)
+    if args.device != "cpu":  # compilation and graph captures: a warm-up run first
+        rollout(model, unbounded, args)
+    big = rollout(model, unbounded, args)
+    page_bytes = big["page_bytes"]
     rows = []
     fractions = [float(f) for f in args.budget.split(",")]
     for fraction in fractions:
