@@ -114,10 +114,6 @@ class PrefixCache:
     def num_checkpoints(self) -> int:
         return sum(e.checkpoint is not None for e in self.device.values())
 
-    def _tick(self) -> int:
-        self.clock += 1
-        return self.clock
-
     @property
     def num_tails(self) -> int:
         return sum(e.tail > 0 for e in self.device.values())
@@ -127,6 +123,10 @@ class PrefixCache:
         for e in self.device.values():
             out += (e.pages or []) + (e.checkpoint or [])
         return out
+
+    def _tick(self) -> int:
+        self.clock += 1
+        return self.clock
 
     def _get(self, key: bytes) -> Entry | None:
         return self.device.get(key) or self.spilled.get(key)
