@@ -1,21 +1,23 @@
-"""How many agent conversations the prefix cache keeps under memory pressure: stale KDA checkpoints dropped first
-(``EngineConfig.drop_stale_checkpoints``, the default) against plain LRU over whole entries.
+"""How many agent conversations the prefix cache keeps under memory pressure: superseded KDA checkpoints dropped
+first (``EngineConfig.drop_superseded_checkpoints``, the default) against plain LRU over whole entries.
 
 An agentic rollout batch: ``--convs`` conversations advance turn by turn together (one ``generate`` call per turn,
 the batch of every conversation's next turn); each turn re-sends the conversation so far, with the model's reply,
-plus ``--turn`` new tokens (a tool's output), and generates ``--gen`` tokens. The pool is sized so that the cache
-cannot hold every conversation's blocks and checkpoints (``--budget``: fractions of what an unbounded run's cache
-holds at its end).
+plus ``--turn`` new tokens (a tool's output), and generates ``--gen`` tokens. With ``--system`` every conversation
+opens with the same system prompt, and with ``--steps`` several RL steps each start fresh conversations (so the
+system prompt's checkpoint is worth keeping across them). The pool is sized so that the cache cannot hold every
+conversation's blocks and checkpoints (``--budget``: fractions of what an unbounded run's cache holds at its end).
 
 A KDA checkpoint is a whole KDA state slot: in ``k3-small`` 4,608 tokens' worth of MLA latents, in ``k3-full``
 17,664 (``PoolLayout``: slot bytes / MLA bytes per token). Each re-sent turn leaves a checkpoint at a block
-boundary inside it (the interval's, and the turn end's last boundary) and two tails; a later turn resumes from the
-latest tail, so the earlier checkpoints are never used again, but each lookup that matches the conversation touches
-their blocks, so plain LRU keeps them as long as the blocks. The defaults here mirror k3-small's proportions on
+boundary inside it (the interval's, and the turn end's last boundary) and two tails; the next turn's checkpoint
+supersedes it (and each turn resumes from the latest tail), but each lookup that matches the conversation touches
+its block, so plain LRU keeps it as long as the conversation. The defaults here mirror k3-small's proportions on
 ``k3-tiny`` (a slot is 384 tokens of its latents; blocks of 64 tokens, a checkpoint every 128: a slot costs three
 intervals of latents, k3-small's at 2,048 costs 2.25).
 
     python bench/prefix_capacity.py [--convs 16] [--turns 8] [--turn 192] [--gen 8] [--budget 0.6,0.4,0.25]
+    python bench/prefix_capacity.py --system 1024 --steps 2 --convs 8 --turns 6 --out prefix-capacity-system
 
 Prints a table (prefill tokens, time, hits, what was evicted) and writes bench/results/prefix-capacity.json. The
 prefill-token counts do not depend on the machine; the CPU seconds are one thread's.
@@ -42,15 +44,18 @@ def rollout(model, cfg: EngineConfig, args) -> dict:
     """The conversations' turns through one engine; the prefix cache's and the engine's counters at the end."""
     engine = RolloutEngine(model, cfg)
     vocab = model.config.vocab_size
-    convs = [[] for _ in range(args.convs)]
+    system = tokens(args.system, seed=-1 % 2**31, vocab=vocab)
     sampling = SamplingParams(max_tokens=args.gen, temperature=0)
     replies = []
     start = time.perf_counter()
-    for turn in range(args.turns):
-        prompts = [c + tokens(args.turn, seed=1000 * i + turn, vocab=vocab) for i, c in enumerate(convs)]
-        results = engine.generate(prompts, sampling)
-        convs = [p + r.token_ids for p, r in zip(prompts, results)]
-        replies.append([r.token_ids for r in results])
+    for step in range(args.steps):  # an RL step: fresh conversations, the same system prompt
+        convs = [list(system) for _ in range(args.convs)]
+        for turn in range(args.turns):
+            prompts = [c + tokens(args.turn, seed=10**6 * step + 1000 * i + turn, vocab=vocab)
+                       for i, c in enumerate(convs)]
+            results = engine.generate(prompts, sampling)
+            convs = [p + r.token_ids for p, r in zip(prompts, results)]
+            replies.append([r.token_ids for r in results])
     seconds = time.perf_counter() - start
     s = engine.stats()
     engine.check_invariants()
@@ -68,6 +73,9 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--turn", type=int, default=192)
     ap.add_argument("--gen", type=int, default=8)
+    ap.add_argument("--system", type=int, default=0, help="a system prompt of this many tokens opens every "
+                                                           "conversation")
+    ap.add_argument("--steps", type=int, default=1, help="RL steps: each starts fresh conversations")
     ap.add_argument("--block", type=int, default=64, help="prefix_block_tokens")
     ap.add_argument("--interval", type=int, default=128, help="checkpoint_interval")
     ap.add_argument("--budget", default="0.6,0.4,0.25", help="pool sizes: fractions of what an unbounded run's "
@@ -96,8 +104,8 @@ def main() -> None:
     fractions = [float(f) for f in args.budget.split(",")]
     for fraction in fractions:
         budget = int(fraction * big["cache_pages_at_end"] * page_bytes)
-        variants = {"LRU over whole entries": dict(drop_stale_checkpoints=False),
-                    "stale checkpoints first (default)": dict()}
+        variants = {"LRU over whole entries": dict(drop_superseded_checkpoints=False),
+                    "superseded checkpoints first (default)": dict()}
         if fraction == min(fractions):  # the floor: every turn recomputes its whole conversation
             variants["no prefix cache"] = dict(enable_prefix_cache=False)
         for name, extra in variants.items():

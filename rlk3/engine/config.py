@@ -68,10 +68,10 @@ class EngineConfig:
     # intermediate states: runner.KdaSplit) instead of ending the chunk there and computing the rest in another step
     checkpoint_in_step: bool = True
     spill_bytes: int = 0  # evicted prefix blocks may spill to CPU memory up to this many bytes (0 = drop them)
-    # under memory pressure a block's KDA checkpoint not taken or resumed from since the least recently used entry
-    # was last used is dropped alone, its block kept (prefix_cache.py): an agent loop's superseded checkpoints go
-    # before any conversation's blocks. False: plain LRU over whole entries
-    drop_stale_checkpoints: bool = True
+    # under memory pressure a block's KDA checkpoint that a deeper one supersedes (the cached chain below it runs
+    # there without branching) is dropped alone, its block kept, before any entry is evicted (prefix_cache.py): an
+    # agent loop's earlier turns' checkpoints go before any conversation's blocks. False: plain LRU over whole entries
+    drop_superseded_checkpoints: bool = True
     # requests whose prompt equals one being prefilled wait for it and continue from a copy of its cache (KDA state,
     # MLA pages shared): a GRPO group's prompt is computed once, not once per sample (scheduler.py)
     share_prefill: bool = True
@@ -143,7 +143,7 @@ class EngineConfig:
             )
         _int(own, "spill_bytes", self.spill_bytes, 0)
         for key in ("enable_prefix_cache", "share_prefill", "checkpoint_prompt_end", "checkpoint_generation_end",
-                    "checkpoint_in_step", "drop_stale_checkpoints", "recompute_on_weight_update", "cuda_graphs",
+                    "checkpoint_in_step", "drop_superseded_checkpoints", "recompute_on_weight_update", "cuda_graphs",
                     "cudnn_attention"):
             _bool(own, key, getattr(self, key))
         if self.compile is not None and not isinstance(self.compile, bool):

@@ -100,7 +100,7 @@ class PrefixCacheStats:
     restores: int  # spilled blocks brought back on a hit
     checkpoints_taken: int
     checkpoints_skipped: int  # no room for a checkpoint even after eviction
-    checkpoints_dropped: int  # stale block checkpoints dropped alone under memory pressure (drop_stale_checkpoints)
+    checkpoints_dropped: int  # superseded block checkpoints dropped alone under memory pressure
     tails_taken: int
     tail_hits: int  # of the hits, those that resumed after a tail
 
@@ -245,7 +245,8 @@ class RolloutEngine:
         self.pool = PagedPool(self.layout, budget_bytes(config.memory_bytes, config.memory_fraction, self.device),
                               self.device)
         self.prefix = (
-            PrefixCache(self.pool, config.prefix_block_tokens, config.spill_bytes, config.drop_stale_checkpoints)
+            PrefixCache(self.pool, config.prefix_block_tokens, config.spill_bytes,
+                        config.drop_superseded_checkpoints)
             if config.enable_prefix_cache else None
         )
         self.requests: dict[str, Request] = {}
@@ -654,8 +655,7 @@ class RolloutEngine:
         if self.prefix is not None:
             for p in self.prefix.pages_held():
                 refs[p] += 1
-            dated = {k for k, e in self.prefix.device.items() if e.checkpoint is not None and not e.tail}
-            assert set(self.prefix.checkpoints) == dated, "the checkpoints' recency list disagrees with the cache"
+            self.prefix.check()
         for graphs in (self._graphs, self._prefill_graphs):
             for p in graphs.scratch if graphs is not None else []:
                 refs[p] += 1

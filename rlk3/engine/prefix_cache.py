@@ -17,15 +17,18 @@ block boundaries (DESIGN.md §4, the seed's "KDA states and MLA KV blocks share 
 * Eviction is LRU over entries that would free pages. A chain is touched leaf first, so its root is the most
   recently used and a prefix is evicted from its tail. With ``spill_bytes > 0`` evicted entries are copied to
   CPU memory (its own LRU) and come back on a hit.
-* **Stale checkpoints go first** (``drop_stale``). A block's checkpoint is a whole KDA slot — in k3-small the
-  bytes of 4,608 tokens of MLA latents, in k3-full 17,664 — and its recency is not its block's: every lookup that
-  matches a conversation touches all its blocks, but resumes only from the latest checkpoint it reaches. So a
-  checkpoint is dated by when it was taken or last resumed from, and when that is older than the LRU entry's last
-  use, the checkpoint alone is dropped (its block keeps its MLA pages, so the prefix still matches up to the
-  deeper checkpoints). An agent loop that re-sends its conversation leaves one such checkpoint per turn that no
-  later turn resumes from; plain LRU keeps them as long as the conversation is alive, most of its footprint.
-  A tail's checkpoint is its reason to exist: tails leave whole, by the LRU order (nothing touches a tail except
-  the lookup that resumes from it).
+* **Superseded checkpoints go first** (``drop_superseded``). A block's checkpoint is a whole KDA slot — in
+  k3-small the bytes of 4,608 tokens of MLA latents, in k3-full 17,664. It is *superseded* when the cached chain
+  below it runs to a deeper block checkpoint without branching: every cached continuation of it reaches that deeper
+  state, so it serves only a request that leaves the chain between the two, which none has done yet. An agent loop
+  that re-sends its conversation leaves one such checkpoint per turn (the next turn's is deeper, and the turn
+  resumes from the reply's tail anyway), and every lookup of the conversation touches its block, so plain LRU keeps
+  it as long as the conversation is alive: most of its footprint. Under memory pressure superseded checkpoints are
+  dropped alone, in the order they were superseded, before any entry is evicted; the block keeps its MLA pages and
+  its key, so the prefix still matches and resumes from the deeper checkpoint. A checkpoint at a branch point (a
+  shared system prompt's, a GRPO prompt's) is not superseded and leaves only with its entry, by LRU. The cache
+  indexes each key's cached child blocks (``children``); the superseded list is kept lazily (marked when a deeper
+  checkpoint arrives on a linear path, checked again when used), since a branch or an eviction below can undo it.
 """
 
 from __future__ import annotations
@@ -62,9 +65,7 @@ class Entry:
     spilled_pages: torch.Tensor | None = None  # CPU copies while spilled
     spilled_checkpoint: torch.Tensor | None = None
     tail: int = 0  # a tail entry: its tokens (fewer than a block) after ``depth`` full blocks; 0 for a full block
-    parent: bytes | None = None  # a tail's parent key (ROOT at depth 0)
-    touched: int = 0  # the cache's clock when the entry was last inserted, matched or resumed from
-    used: int = 0  # ... when its checkpoint was last taken or resumed from
+    parent: bytes | None = None  # the key of the block before it (ROOT at depth 0); a tail's: the block it follows
 
     @property
     def has_checkpoint(self) -> bool:
@@ -86,19 +87,19 @@ class Match:
 
 
 class PrefixCache:
-    def __init__(self, pool: PagedPool, block_tokens: int, spill_bytes: int = 0, drop_stale: bool = True):
+    def __init__(self, pool: PagedPool, block_tokens: int, spill_bytes: int = 0, drop_superseded: bool = True):
         self.pool = pool
         self.block_tokens = block_tokens
         self.pages_per_block = block_tokens // pool.layout.block_size if pool.layout.mla_layers else 0
         self.spill_limit = spill_bytes
-        self.drop_stale = drop_stale
-        self.clock = 0  # counts touches: dates entries (``touched``) and checkpoints (``used``)
+        self.drop_superseded = drop_superseded
         self.device: OrderedDict[bytes, Entry] = OrderedDict()  # LRU first
-        # the full blocks' checkpoints on the device, least recently taken or resumed from first
-        self.checkpoints: OrderedDict[bytes, Entry] = OrderedDict()
+        # block checkpoints marked superseded, in that order (lazily: ``_superseded`` checks each when it is used)
+        self.superseded: OrderedDict[bytes, None] = OrderedDict()
         self.spilled: OrderedDict[bytes, Entry] = OrderedDict()
         self.spilled_bytes = 0
         self.tails: dict[bytes, set[tuple[int, bytes]]] = {}  # parent key -> (tail tokens, tail key), either store
+        self.children: dict[bytes, set[bytes]] = {}  # parent key -> its full child blocks' keys, either store
         # counters for stats()
         self.lookups = self.hits = self.hit_tokens = self.tail_hits = self.tails_taken = 0
         self.evictions = self.spills = self.restores = self.checkpoints_taken = self.checkpoints_skipped = 0
@@ -124,14 +125,10 @@ class PrefixCache:
             out += (e.pages or []) + (e.checkpoint or [])
         return out
 
-    def _tick(self) -> int:
-        self.clock += 1
-        return self.clock
-
     def _get(self, key: bytes) -> Entry | None:
         return self.device.get(key) or self.spilled.get(key)
 
-    def insert_block(self, key: bytes, depth: int, pages: list[int]) -> None:
+    def insert_block(self, key: bytes, depth: int, pages: list[int], parent: bytes) -> None:
         """Caches a computed block (the caller's MLA pages, shared by reference). A key already cached keeps its
         own pages. The caller touches the whole chain afterwards (``touch``) so that its root stays newest."""
         if key in self.device:
@@ -141,28 +138,44 @@ class PrefixCache:
             self.spilled_bytes -= spilled.spilled_bytes
             spilled.spilled_pages = spilled.spilled_checkpoint = None
         self.pool.incref(pages)
-        self.device[key] = Entry(key, depth, pages=list(pages), touched=self._tick())
+        self.device[key] = Entry(key, depth, pages=list(pages), parent=parent)
+        self.children.setdefault(parent, set()).add(key)
 
     def touch(self, keys: list[bytes]) -> None:
         """Marks a chain used, leaf first, so that LRU eviction takes a prefix from its tail."""
         for key in reversed(keys):
-            entry = self.device.get(key)
-            if entry is not None:
+            if key in self.device:
                 self.device.move_to_end(key)
-                entry.touched = self._tick()
 
-    def resumed(self, entry: Entry) -> None:
-        """A request resumes from ``entry``'s checkpoint: the checkpoint is in use again (module docstring)."""
-        entry.used = self._tick()
-        if entry.key in self.checkpoints:
-            self.checkpoints.move_to_end(entry.key)
+    # at most this many blocks are walked to find what supersedes a checkpoint (16 at the default interval of 2,048
+    # tokens is four; a longer linear stretch without a checkpoint counts as not superseding)
+    SUPERSEDE_WALK = 64
 
-    def _dated(self, entry: Entry) -> None:
-        """A full block's checkpoint arrived on the device (taken, or brought back from CPU memory)."""
-        entry.used = self._tick()
-        if not entry.tail:
-            self.checkpoints[entry.key] = entry
-            self.checkpoints.move_to_end(entry.key)
+    def _supersede_above(self, entry: Entry) -> None:
+        """A block checkpoint arrived at ``entry``: the nearest block checkpoint above it is superseded when no
+        branch lies between them (module docstring)."""
+        node = self._get(entry.parent)
+        for _ in range(self.SUPERSEDE_WALK):
+            if node is None or len(self.children.get(node.key, ())) > 1:
+                return
+            if node.checkpoint is not None:
+                self.superseded[node.key] = None
+                return
+            node = self._get(node.parent)
+
+    def _superseded(self, entry: Entry) -> bool:
+        """Whether the cached chain below ``entry`` runs to a deeper block checkpoint without branching."""
+        node = entry
+        for _ in range(self.SUPERSEDE_WALK):
+            below = self.children.get(node.key, ())
+            if len(below) != 1:
+                return False
+            node = self._get(next(iter(below)))
+            if node is None:
+                return False
+            if node.has_checkpoint:
+                return True
+        return False
 
     def add_checkpoint(self, key: bytes, slot: list[int], protect: set[bytes] = frozenset()) -> bool:
         """Copies a request's KDA slot into a checkpoint for the block ``key`` (already inserted). Evicts LRU entries
@@ -176,7 +189,7 @@ class PrefixCache:
             return False
         self.pool.copy(slot, pages)
         entry.checkpoint = pages
-        self._dated(entry)
+        self._supersede_above(entry)
         self.checkpoints_taken += 1
         return True
 
@@ -195,7 +208,7 @@ class PrefixCache:
         if entry is None or entry.checkpoint is not None:
             return False
         entry.checkpoint = list(pages)
-        self._dated(entry)
+        self._supersede_above(entry)
         self.checkpoints_taken += 1
         return True
 
@@ -213,9 +226,7 @@ class PrefixCache:
             return None
         self.pool.copy(slot, ckpt)
         self.pool.incref(pages)
-        self.device[key] = Entry(key, depth, pages=list(pages), checkpoint=ckpt, tail=len(tokens), parent=parent,
-                                 touched=self._tick())
-        self._dated(self.device[key])
+        self.device[key] = Entry(key, depth, pages=list(pages), checkpoint=ckpt, tail=len(tokens), parent=parent)
         self.tails.setdefault(parent, set()).add((len(tokens), key))
         self.tails_taken += 1
         return key
@@ -236,7 +247,13 @@ class PrefixCache:
         return None
 
     def _unindex(self, entry: Entry) -> None:
-        """An entry left both stores: a tail leaves the parent's index."""
+        """An entry left both stores: it leaves its parent's children, a tail its parent's index."""
+        if not entry.tail:
+            siblings = self.children.get(entry.parent)
+            if siblings is not None:
+                siblings.discard(entry.key)
+                if not siblings:
+                    del self.children[entry.parent]
         if entry.tail:
             options = self.tails.get(entry.parent)
             if options is not None:
@@ -298,9 +315,8 @@ class PrefixCache:
         entry.checkpoint = pages[n_mla:] if entry.spilled_checkpoint is not None else None
         entry.spilled_pages = entry.spilled_checkpoint = None
         self.device[entry.key] = entry
-        entry.touched = self._tick()
-        if entry.checkpoint is not None:
-            self._dated(entry)
+        if entry.checkpoint is not None and not entry.tail:
+            self._supersede_above(entry)
         self.restores += 1
         return True
 
@@ -312,30 +328,33 @@ class PrefixCache:
         return bool(entry.pages) and all(self.pool.refcount[p] == 1 for p in entry.pages)
 
     def evict_one(self, protect: set[bytes] = frozenset()) -> bool:
-        """Frees at least one page: the least recently used entry that frees any, unless (``drop_stale``) a full
-        block's checkpoint was last taken or resumed from before that entry was last used, whose checkpoint alone
-        goes then (module docstring). False when nothing frees a page."""
-        lru = next((e for k, e in self.device.items() if k not in protect and self._frees_pages(e)), None)
-        if self.drop_stale:
-            stale = next((e for k, e in self.checkpoints.items() if k not in protect), None)
-            if stale is not None and (lru is None or stale.used < lru.touched):
-                self._drop_checkpoint(stale)
-                return True
-        if lru is None:
-            return False
-        self._evict(lru)
-        return True
+        """Frees at least one page: (``drop_superseded``) the first superseded block checkpoint alone, else the
+        least recently used entry that frees any (module docstring). False when nothing frees a page."""
+        if self.drop_superseded:
+            for key in list(self.superseded):
+                entry = self.device.get(key)
+                if entry is None or entry.checkpoint is None or not self._superseded(entry):
+                    del self.superseded[key]  # evicted, dropped, or a branch / an eviction below undid it
+                elif key not in protect:
+                    self._drop_checkpoint(entry)
+                    return True
+        for key, entry in self.device.items():
+            if key in protect or not self._frees_pages(entry):
+                continue
+            self._evict(entry)
+            return True
+        return False
 
     def _drop_checkpoint(self, entry: Entry) -> None:
-        """A full block's checkpoint leaves the device; the block stays cached (its MLA pages, its key)."""
-        del self.checkpoints[entry.key]
+        """A block's checkpoint leaves the device; the block stays cached (its MLA pages, its key)."""
+        del self.superseded[entry.key]
         pages, entry.checkpoint = entry.checkpoint, None
         self.checkpoints_dropped += 1
         self.pool.decref(pages)
 
     def _evict(self, entry: Entry) -> None:
         del self.device[entry.key]
-        self.checkpoints.pop(entry.key, None)
+        self.superseded.pop(entry.key, None)
         self.evictions += 1
         owned = (entry.pages or []) + (entry.checkpoint or [])
         if self.spill_limit > 0:
@@ -357,12 +376,22 @@ class PrefixCache:
         entry.pages = entry.checkpoint = None
         self.pool.decref(owned)
 
+    def check(self) -> None:
+        """Raises ``AssertionError`` when the child index disagrees with the stores: every cached full block is
+        indexed under its parent, and every indexed child is cached with that parent (``engine.check_invariants``)."""
+        blocks = {k: e for store in (self.device, self.spilled) for k, e in store.items() if not e.tail}
+        assert all(k in self.children.get(e.parent, ()) for k, e in blocks.items()), "a block missing from the index"
+        indexed = [(parent, k) for parent, keys in self.children.items() for k in keys]
+        assert all(k in blocks and blocks[k].parent == parent for parent, k in indexed), "a stale child in the index"
+        assert len(indexed) == len(blocks), "a block indexed twice"
+
     def clear(self) -> None:
         """Drops everything (a weight update makes every cached state stale)."""
         for entry in list(self.device.values()):
             self.pool.decref((entry.pages or []) + (entry.checkpoint or []))
         self.device.clear()
-        self.checkpoints.clear()
+        self.superseded.clear()
+        self.children.clear()
         self.spilled.clear()
         self.tails.clear()
         self.spilled_bytes = 0

@@ -178,7 +178,6 @@ class Scheduler:
                 entries = match.entries
             if entries or tail is not None:
                 self.prefix.hits += 1
-                self.prefix.resumed(tail if tail is not None else entries[-1])
         shared = [p for e in entries for p in e.pages]
         need = self.pool.layout.pages_per_slot
         partial = False
@@ -272,7 +271,7 @@ class Scheduler:
             keys = self.keys(req, full)
             ppb = self.prefix.pages_per_block
             for b in range(req.num_registered, full):
-                self.prefix.insert_block(keys[b], b, req.pages[b * ppb : (b + 1) * ppb])
+                self.prefix.insert_block(keys[b], b, req.pages[b * ppb : (b + 1) * ppb], keys[b - 1] if b else ROOT)
             req.num_registered = full
             self.prefix.touch(keys)
         if slot is not None and not self.prefix.adopt_checkpoint(self.keys(req, split // B)[-1], slot):

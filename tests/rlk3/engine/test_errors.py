@@ -154,7 +154,7 @@ def test_update_weights_rejects_bad_updates(tiny):
         (dict(backend="cuda"), r"backend must be one of \['auto', 'torch'\], got 'cuda'"),
         (dict(enable_prefix_cache="yes"), "enable_prefix_cache must be a bool, got 'yes'"),
         (dict(checkpoint_in_step=1), "checkpoint_in_step must be a bool, got 1"),
-        (dict(drop_stale_checkpoints=None), "drop_stale_checkpoints must be a bool, got None"),
+        (dict(drop_superseded_checkpoints=None), "drop_superseded_checkpoints must be a bool, got None"),
         (dict(cudnn_attention="on"), "cudnn_attention must be a bool, got 'on'"),
         (dict(cuda_graph_batch_sizes=[0]), "cuda_graph_batch_sizes must be a non-empty list of ints >= 1"),
         (dict(compile="yes"), r"compile must be a bool or None \(None: on CUDA only\), got 'yes'"),
