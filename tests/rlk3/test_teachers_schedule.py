@@ -21,11 +21,16 @@ ROOT = Path(__file__).resolve().parents[2]
 class Recorder:
     """Stands in for ``run_rl``: records each run's start, end and starting checkpoint, and how many overlap."""
 
-    def __init__(self, fail: str | None = None, seconds: dict[str, float] | None = None) -> None:
+    def __init__(self, fail: str | None = None, seconds: dict[str, float] | None = None,
+                 overlap: int | None = None) -> None:
         # medium and low longer than high: once the highs are done, the medium/low runs all overlap
         self.fail, self.seconds = fail, seconds or {"high": 0.02, "medium": 0.25, "low": 0.25}
         self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
         self.running = self.most = 0
+        # with ``overlap``, medium/low runs also wait (up to 10 s) until that many runs overlap once, so that a loaded
+        # machine's slow starts cannot hide whether the schedule lets them run side by side
+        self.overlap, self.reached = overlap, overlap is None
         self.runs: dict[str, dict] = {}
 
     def __call__(self, cfg, log=print) -> Path:
@@ -35,8 +40,14 @@ class Recorder:
             self.most = max(self.most, self.running)
             self.runs[name] = {"start": time.monotonic(), "from": cfg.model.init_from, "effort": cfg.effort.level,
                                "budget": cfg.effort.budget, "domains": list(cfg.tasks.domains)}
+            if not self.reached and self.running >= self.overlap:
+                self.reached = True
+                self.changed.notify_all()
         try:
             log("it   0 | reward +0.000")
+            if cfg.effort.level != "high":
+                with self.changed:
+                    self.changed.wait_for(lambda: self.reached, timeout=10)
             time.sleep(self.seconds[cfg.effort.level] if name != self.fail else 0.01)
             if name == self.fail:
                 raise RuntimeError(f"{name} broke")
@@ -58,7 +69,7 @@ def teachers_config(tmp_path, *overrides):
 
 @pytest.mark.parametrize("parallel", [1, 2, 4])
 def test_teachers_run_side_by_side_after_their_high_teacher(tmp_path, monkeypatch, parallel):
-    rec = Recorder()
+    rec = Recorder(overlap=min(parallel, 6))
     monkeypatch.setattr(driver, "run_rl", rec)
     cfg = teachers_config(tmp_path, f"teachers.parallel={parallel}")
     lines: list[str] = []
