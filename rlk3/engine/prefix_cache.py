@@ -147,8 +147,8 @@ class PrefixCache:
             if key in self.device:
                 self.device.move_to_end(key)
 
-    # at most this many blocks are walked to find what supersedes a checkpoint (16 at the default interval of 2,048
-    # tokens is four; a longer linear stretch without a checkpoint counts as not superseding)
+    # at most this many blocks are walked between a checkpoint and the one that supersedes it (at the defaults,
+    # blocks of 512 and an interval of 2,048, they lie at most four apart); a longer stretch counts as not superseding
     SUPERSEDE_WALK = 64
 
     def _supersede_above(self, entry: Entry) -> None:
