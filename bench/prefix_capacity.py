@@ -26,25 +26,28 @@ prefill-token counts do not depend on the machine; the CPU seconds are one threa
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 from _common import print_table, write_json
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.engine import prompts as random_prompts
 from rlk3.engine import EngineConfig, RolloutEngine, SamplingParams
 from rlk3.model import K3Config, K3ForCausalLM
 
 
 def tokens(n: int, seed: int, vocab: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(1, vocab, (n,), generator=g).tolist()
+    return random_prompts(1, n, vocab, seed)[0]
 
 
 def rollout(model, cfg: EngineConfig, args) -> dict:
     """The conversations' turns through one engine; the prefix cache's and the engine's counters at the end."""
     engine = RolloutEngine(model, cfg)
     vocab = model.config.vocab_size
-    system = tokens(args.system, seed=-1 % 2**31, vocab=vocab)
+    system = tokens(args.system, seed=2**31 - 1, vocab=vocab)  # apart from every turn's seed
     sampling = SamplingParams(max_tokens=args.gen, temperature=0)
     replies = []
     start = time.perf_counter()
@@ -113,12 +116,11 @@ def main() -> None:
             rows.append(dict(pool=f"{fraction:.2f} ({budget / 2**20:.1f} MiB)", variant=name, **r))
     rows.append(dict(pool=f"unbounded ({big['cache_pages_at_end']} cache pages)", variant="defaults", **big))
     ref = rows[-1]
+    lru = {r["pool"]: r["seconds"] for r in rows if r["variant"].startswith("LRU")}
     for r in rows:
-        lru = next(x for x in rows if x["pool"] == r["pool"] and x["variant"].startswith("LRU")) if r is not ref \
-            else None
         r["same_replies_as_unbounded"] = r["replies"] == ref["replies"]
         r["prefill_vs_unbounded"] = r["prefill_tokens"] / ref["prefill_tokens"]
-        r["seconds_vs_lru"] = r["seconds"] / lru["seconds"] if lru else None
+        r["seconds_vs_lru"] = r["seconds"] / lru[r["pool"]] if r["pool"] in lru else None
     print(f"\n{args.convs} conversations x {args.turns} turns of +{args.turn} tokens, {args.gen} generated; blocks of "
           f"{args.block}, a checkpoint every {args.interval}; pools as fractions of an unbounded run's cache\n")
     print_table(rows, ["pool", "variant", "prefill_tokens", "prefill_vs_unbounded", "hit_tokens", "evictions",

@@ -192,12 +192,11 @@ def test_a_generation_end_tail_never_evicts_while_a_prompt_end_tail_may():
     assert pool.num_free == pool.num_pages and not cache.tails
 
 
-def _cache(drop_superseded: bool = True, blocks: int = 3, branch: int | None = None, branch_first: bool = True):
+def _cache(drop_superseded: bool = True, branch: int | None = None, branch_first: bool = True):
     """A cache over a pool that holds exactly one request (a KDA slot and one MLA page per block, plus one for a
-    branch) and two checkpoints: blocks 0 .. blocks − 1 of one chain with a checkpoint after block 0 and one after the
-    last block; with ``branch`` a second child block of block ``branch`` (another conversation leaving the chain
-    there), inserted before the checkpoints or after them. Returns (cache, pool, the chain's keys, the request's
-    pages)."""
+    branch) and two checkpoints: blocks 0, 1, 2 of one chain with a checkpoint after block 0 and one after block 2;
+    with ``branch`` a second child block of block ``branch`` (another conversation leaving the chain there), inserted
+    before the checkpoints or after them. Returns (cache, pool, the chain's keys, the request's pages)."""
     import torch
 
     from rlk3.engine.pool import PagedPool, PoolLayout
@@ -205,7 +204,7 @@ def _cache(drop_superseded: bool = True, blocks: int = 3, branch: int | None = N
     from rlk3.model import K3Config
 
     lay = PoolLayout.for_model(K3Config(), torch.float32)
-    pps = lay.pages_per_slot
+    pps, blocks = lay.pages_per_slot, 3
     pool = PagedPool(lay, budget=(3 * pps + blocks + 1) * lay.page_bytes, device="cpu")
     cache = PrefixCache(pool, block_tokens=512, drop_superseded=drop_superseded)
     owner = pool.alloc(pps + blocks + 1)
@@ -238,7 +237,7 @@ def test_a_superseded_checkpoint_goes_before_any_block(drop_superseded):
     loses that resume point. Plain LRU instead evicts the chain's leaf (touched first), the latest checkpoint with
     it."""
     cache, pool, keys, owner = _cache(drop_superseded)
-    assert list(cache.superseded) == ([keys[0]])  # marked when the deeper checkpoint arrived
+    assert list(cache.superseded) == [keys[0]]  # marked when the deeper checkpoint arrived
     assert cache.match(keys).blocks == 3
     assert cache.evict_one()
     assert pool.num_free == pool.layout.pages_per_slot
