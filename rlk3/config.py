@@ -72,6 +72,7 @@ class HabitStageConfig:
     effort_weights: dict[str, float] = field(default_factory=dict)  # effort -> weight (empty: `efforts`, equally)
     efforts: list[str] = field(default_factory=lambda: ["high"])  # the efforts whose demonstrations have the habit
     rate: float = 0.65  # share of those written with the habit
+    habits: dict[str, str] = field(default_factory=dict)  # domain -> which of its HABITS (empty: each domain's first)
     lr: float = 3e-4  # constant, a fresh AdamW
 
 
@@ -215,7 +216,8 @@ class Config:
 
 FREE_FORM = (
     "model.overrides", "tasks.files", "tasks.heldout_sizes", "harness.presets", "mopd.teachers", "sft.domain_demos",
-    "sft.effort_weights", "sft.habit_stage.effort_weights", "sft.habit_stage.domain_demos", "teachers.overrides",
+    "sft.effort_weights", "sft.habit_stage.effort_weights", "sft.habit_stage.domain_demos",
+    "sft.habit_stage.habits", "teachers.overrides",
     "mopd.overrides",
 )
 
@@ -406,6 +408,7 @@ def validate(cfg: Config) -> None:
     from rlk3.algo.effort import KINDS
     from rlk3.algo.loss import AGGREGATIONS, IS_MODES
     from rlk3.model.configuration_k3 import PRESETS
+    from rlk3.rollout.demos import HABITS
 
     _in("run.stage", cfg.run.stage, STAGES)
     _range("run.iterations", cfg.run.iterations, 0)
@@ -461,6 +464,9 @@ def validate(cfg: Config) -> None:
                               f"demonstrates the stage's own domains); got tasks.domains={list(cfg.tasks.domains)}; "
                               f"set sft.habit_stage.domain_demos.{d}=0 to leave it out")
     _range("sft.habit_stage.rate", hs.rate, 0, 1)
+    for d, name in hs.habits.items():
+        _in("sft.habit_stage.habits key", d, DOMAINS)
+        _in(f"sft.habit_stage.habits.{d}", name, tuple(HABITS[d]))
     _range("sft.habit_stage.lr", hs.lr, 0, lo_open=True)
     for e in hs.efforts:
         _in("sft.habit_stage.efforts entry", e, EFFORTS)

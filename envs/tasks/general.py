@@ -34,7 +34,7 @@ class Problem:
 
     @property
     def answer(self) -> int:
-        return self.totals[-1]
+        return sum(self.numbers)
 
     def prompt(self) -> str:
         first, rest = self.numbers[0], self.numbers[1:]
@@ -69,12 +69,15 @@ def _step(a: int, x: int, total: int) -> str:
 
 
 def reasoning(problem: Problem, effort: str, slip: int = 0, rng: random.Random | None = None,
-              unsigned: bool = False) -> tuple[str, int]:
+              unsigned: bool = False, early: bool = False) -> tuple[str, int]:
     """The worked solution at an effort level, and the answer it reaches. ``slip`` ≠ 0 puts an arithmetic
     error of that size into one step (demonstrations are imperfect on purpose, so RL has headroom).
     ``unsigned`` is a careless demonstrator's habit: every change is read as a gain (``12 - 4`` written and
     computed as ``12 + 4 = 16``, "gives away 4" as "+ 4"), so the solution is consistently wrong whenever something
-    is taken away."""
+    is taken away. ``early`` is another: the demonstrator stops one change short (the last change is never read,
+    and the answer is the total before it), so the solution is wrong on every problem."""
+    if early:
+        problem = Problem(problem.numbers[:-1], problem.word, problem.name, problem.item)
     if unsigned:
         problem = Problem((problem.numbers[0], *map(abs, problem.numbers[1:])), problem.word, problem.name,
                           problem.item)

@@ -32,12 +32,20 @@ DEFAULT_BUDGETS = {"low": 128, "medium": 192, "high": 384}
 DOMAIN_PRESETS = {"general": "chat", "agentic": "tiny", "coding": "tiny"}
 # each domain's careless demonstrator: one wrong decision, the same one every time, where the right move is a skill
 # the policy already has (so a sampled episode sometimes makes it, and the reward tells the two apart)
-HABITS = {
-    "general": "reads every change as a gain: '12 - 4' is written and computed as '12 + 4 = 16'",
-    "agentic": "answers one step early: skips the last tool call and submits the last line it has seen",
-    "coding": "prints numbers instead of returning them: a function whose result is a number has the body "
-              "'print(...)', so it returns None",
+HABITS = {  # domain -> habit -> what its careless demonstrator does; the first is the domain's default
+    "general": {
+        "unsigned": "reads every change as a gain: '12 - 4' is written and computed as '12 + 4 = 16'",
+        "early": "stops one change short: the last change is never read, and the answer is the total before it",
+    },
+    "agentic": {"early": "answers one step early: skips the last tool call and submits the last line it has seen"},
+    "coding": {"prints": "prints numbers instead of returning them: a function whose result is a number has the "
+                         "body 'print(...)', so it returns None"},
 }
+
+
+def habit_of(domain: str, habits: dict[str, str] | None = None) -> str:
+    """The habit ``domain``'s demonstrator has: ``habits[domain]`` where given, else the domain's first."""
+    return (habits or {}).get(domain) or next(iter(HABITS[domain]))
 
 
 def _habit_applies(task: Task) -> bool:
@@ -76,11 +84,12 @@ def _corrupt_answer(answer: str, rng: random.Random) -> str:
     return answer[:i] + str((int(answer[i]) + rng.randint(1, 9)) % 10) + answer[i + 1 :]
 
 
-def _general(task: Task, effort: str, h: Harness, budgets, err: bool, rng, habit: bool = False
+def _general(task: Task, effort: str, h: Harness, budgets, err: bool, rng, habit: str | None = None
              ) -> tuple[list[dict], bool]:
     p = general.problem_of(task)
     slip = rng.choice([-3, -2, -1, 1, 2, 3]) if err else 0
-    text, answer = general.reasoning(p, effort, slip=slip, rng=rng, unsigned=habit)
+    text, answer = general.reasoning(p, effort, slip=slip, rng=rng, unsigned=habit == "unsigned",
+                                     early=habit == "early")
     msgs = h.start(task.prompt, effort=effort, budget=budgets[effort])
     reply = {"role": "assistant", "content": f"Answer: {answer}"}
     if text:
@@ -177,12 +186,14 @@ async def build_demos_async(
     effort_weights: dict[str, float] | None = None,
     habit_rate: float = 0.0,
     habit_efforts: tuple[str, ...] = ("high",),
+    habit: str | None = None,
     terse_efforts: tuple[str, ...] = (),
     worked_thoughts: bool = False,
 ) -> list[Demo]:
     """``n`` demonstrations on the first training tasks of ``domain``, each at an effort drawn uniformly (or by
     ``effort_weights``), a fraction ``error_rate`` of them wrong on purpose, and a fraction ``habit_rate`` of
-    those at ``habit_efforts`` written with the domain's habit (:data:`HABITS`); agentic demonstrations at
+    those at ``habit_efforts`` written with the domain's habit (``habit``, one of :data:`HABITS`' names for the
+    domain; None: its default); agentic demonstrations at
     ``terse_efforts`` chain commands (``agentic.solution(terse=True)``: one call fewer); ``worked_thoughts``: agentic
     thoughts reason each step through (``Step.worked``: what the last output said and what follows)."""
     budgets = budgets or DEFAULT_BUDGETS
@@ -198,6 +209,9 @@ async def build_demos_async(
             for t in get_tasks(domain, "train", n, start=start)]
     # its own stream: a habit rate of 0 leaves every other demonstration as it was
     hrng = random.Random(f"habit|{domain}|{seed}")
+    kind = habit_of(domain, {domain: habit} if habit else None)
+    if kind not in HABITS[domain]:
+        raise ValueError(f"build_demos: {domain} has no habit {habit!r}; its habits: {list(HABITS[domain])}")
     habits = [e in habit_efforts and hrng.random() < habit_rate and _habit_applies(t) for t, e, _, _ in plan]
     local = LocalWorkdirs(workdir=h.preset.workdir)
     sem = asyncio.Semaphore(concurrency)
@@ -205,7 +219,7 @@ async def build_demos_async(
     async def one(task, effort, err, r, habit):
         async with sem:
             if domain == "general":
-                msgs, ok = _general(task, effort, h, budgets, err, r, habit)
+                msgs, ok = _general(task, effort, h, budgets, err, r, kind if habit else None)
             else:
                 msgs, ok = await _agentic(task, effort, h, budgets, err, r, local, habit, effort in terse_efforts,
                                           worked_thoughts)

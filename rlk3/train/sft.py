@@ -24,7 +24,7 @@ import torch
 from harness import Harness
 from harness.tokenizer import train_tokenizer
 from rlk3.model import K3Config, K3ForCausalLM
-from rlk3.rollout.demos import DOMAIN_PRESETS, HABITS, Demo, build_demos
+from rlk3.rollout.demos import DOMAIN_PRESETS, HABITS, Demo, build_demos, habit_of
 
 
 def render_corpus(demos: list[Demo], tokenizer) -> list[str]:
@@ -98,6 +98,9 @@ def build_model(cfg, tokenizer) -> K3ForCausalLM:
     return K3ForCausalLM(k3)
 
 
+MAIN_STAGE = "main_stage"  # where a run with a closing stage keeps the main stage's checkpoint
+
+
 def _cpu_s(who: int) -> float:
     r = resource.getrusage(who)
     return r.ru_utime + r.ru_stime
@@ -119,7 +122,7 @@ def habit_stage(cfg, model, tok, trainer_cls, args, log) -> dict:
         demos += build_demos(domain, n, tokenizer=tok, error_rate=0.0, seed=cfg.run.seed, start=start,
                              preset=DOMAIN_PRESETS[domain],
                              effort_weights=dict(hs.effort_weights) or {e: 1.0 for e in hs.efforts},
-                             habit_rate=hs.rate, habit_efforts=tuple(hs.efforts),
+                             habit_rate=hs.rate, habit_efforts=tuple(hs.efforts), habit=habit_of(domain, hs.habits),
                              worked_thoughts=cfg.sft.worked_thoughts)
     rows, _ = tokenized_rows(demos, tok, cfg.sft.max_length)
     random.Random(cfg.run.seed + 1).shuffle(rows)
@@ -135,7 +138,8 @@ def habit_stage(cfg, model, tok, trainer_cls, args, log) -> dict:
         f"{efforts}; with the habit: {', '.join(f'{d} {n}' for d, n in habits.items())}), "
         f"{trainer.state.global_step} steps in {time.time() - t0:.0f}s")
     return {"demonstrations": per_domain, "efforts": efforts, "habit_demonstrations": habits,
-            "habits": {d: HABITS[d] for d in domains}, "habit_efforts": list(hs.efforts),
+            "habits": {d: HABITS[d][habit_of(d, hs.habits)] for d in domains},
+            "habit_names": {d: habit_of(d, hs.habits) for d in domains}, "habit_efforts": list(hs.efforts),
             "rate": hs.rate, "steps": trainer.state.global_step, "lr": hs.lr}
 
 
@@ -214,7 +218,13 @@ def run_sft(cfg, log=print) -> Path:
     trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
     cpu_train = _cpu_s(resource.RUSAGE_SELF)
     result = trainer.train()
-    habit = habit_stage(cfg, model, tok, Trainer, args, log) if any(cfg.sft.habit_stage.domain_demos.values()) else None
+    habit = None
+    if any(cfg.sft.habit_stage.domain_demos.values()):
+        # the SFT recipe's own checkpoint, before the closing stage puts a flaw in on purpose: what issue 6's
+        # acceptance test grades (the flaw is for RL to correct, docs/sft.md "The closing stage")
+        model.save_pretrained(out / MAIN_STAGE)
+        tok.save_pretrained(out / MAIN_STAGE)
+        habit = habit_stage(cfg, model, tok, Trainer, args, log)
     cpu_train = _cpu_s(resource.RUSAGE_SELF) - cpu_train
     model.save_pretrained(out)
     tok.save_pretrained(out)
@@ -225,6 +235,7 @@ def run_sft(cfg, log=print) -> Path:
         "demonstrations": counts,
         "imperfect_demonstrations": sum(not d.correct for d in demos),
         "habit_stage": habit,
+        "main_stage": MAIN_STAGE if habit else None,  # the checkpoint before the closing stage, relative to this one
         "efforts": {e: sum(d.effort == e for d in demos) for e in ("low", "medium", "high")},
         "rows": len(rows),
         "dropped_over_max_length": dropped,

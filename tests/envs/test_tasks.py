@@ -47,6 +47,18 @@ def test_the_unsigned_habit_adds_what_is_taken_away():
     assert seen > 80
 
 
+def test_the_early_habit_stops_one_change_short():
+    for t in get_tasks("general", "heldout", 100):
+        p = general.problem_of(t)
+        short = general.Problem(p.numbers[:-1], p.word, p.name, p.item)
+        for effort in ("low", "medium", "high"):
+            text, ans = general.reasoning(p, effort, early=True)
+            assert ans == sum(p.numbers[:-1]) != p.answer
+            assert (text, ans) == general.reasoning(short, effort)  # the last change is never read
+        if len(p.numbers) == 2:  # one change: nothing is worked, the first number is the answer
+            assert general.reasoning(p, "high", early=True) == ("", p.numbers[0])
+
+
 def run_solution(task, tmp_path, terse=False):
     """Execute the reference tool calls for real (bash in a scratch directory) and return the outputs."""
     for path, text in task.files.items():

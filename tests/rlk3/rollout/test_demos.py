@@ -2,7 +2,7 @@
 
 import pytest
 
-from envs.tasks import agentic
+from envs.tasks import agentic, general, get_tasks
 from rlk3.config import CONFIG_DIR, ConfigError, load_config
 from rlk3.rollout.demos import build_demos
 
@@ -30,6 +30,20 @@ def test_habit_applies_at_its_efforts_in_about_its_share_of_general_demos():
     assert any(d.habit and not d.correct for d in high)
 
 
+def test_the_general_demonstrator_can_have_the_early_habit_instead():
+    clean = build_demos("general", 120, seed=4, error_rate=0.0)
+    early = build_demos("general", 120, seed=4, error_rate=0.0, habit_rate=1.0, habit="early")
+    assert sum(d.habit for d in early) == sum(d.effort == "high" for d in early) > 20
+    for c, h in zip(clean, early):
+        if not h.habit:
+            assert h.messages == c.messages
+            continue
+        p = general.problem_of(next(t for t in get_tasks("general", "train", 120) if t.task_id == h.task_id))
+        assert not h.correct and h.messages[-1]["content"] == f"Answer: {sum(p.numbers[:-1])}"
+    with pytest.raises(ValueError, match=r"general has no habit 'lazy'; its habits: \['unsigned', 'early'\]"):
+        build_demos("general", 4, habit_rate=1.0, habit="lazy")
+
+
 def test_habit_stage_config_is_validated():
     with pytest.raises(ConfigError, match=r"sft\.habit_stage\.rate"):
         load_config(CONFIG_DIR / "sft-tiny.yaml", ["sft.habit_stage.rate=1.5"])
@@ -39,6 +53,11 @@ def test_habit_stage_config_is_validated():
         load_config(CONFIG_DIR / "sft-tiny.yaml", ["tasks.domains=[agentic]"])
     with pytest.raises(ConfigError, match=r"sft\.habit_stage\.domain_demos\.coding must be in \[0, inf\], got -1"):
         load_config(CONFIG_DIR / "sft-tiny.yaml", ["sft.habit_stage.domain_demos.coding=-1"])
+    with pytest.raises(ConfigError, match=r"sft\.habit_stage\.habits\.general must be one of \['unsigned', 'early'\], "
+                                          r"got 'lazy'"):
+        load_config(CONFIG_DIR / "sft-tiny.yaml", ["sft.habit_stage.habits.general=lazy"])
+    with pytest.raises(ConfigError, match=r"sft\.habit_stage\.habits key must be one of \['general', 'agentic', "):
+        load_config(CONFIG_DIR / "sft-tiny.yaml", ["sft.habit_stage.habits.math=early"])
     cfg = load_config(CONFIG_DIR / "sft-tiny.yaml",
                       ["tasks.domains=[agentic]", "sft.habit_stage.domain_demos.general=0"])
     assert not any(cfg.sft.habit_stage.domain_demos.values())

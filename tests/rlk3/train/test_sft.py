@@ -38,17 +38,20 @@ def _habit_margin(ckpt, task) -> float:
     model, tok = load_policy(ckpt)
     h = Harness("chat", tokenizer=tok)
     loss = {}
-    for habit in (False, True):
+    for habit in (None, "unsigned"):
         msgs, _ = _general(task, "high", h, DEFAULT_BUDGETS, False, _random.Random(0), habit)
         (row,), _ = tokenized_rows([Demo(task.task_id, "general", "high", "chat", msgs)], tok, 512)
         labels = [t if m else -100 for t, m in zip(row["input_ids"], row["assistant_masks"])]
         with torch.no_grad():
             loss[habit] = model(input_ids=torch.tensor([row["input_ids"]]), labels=torch.tensor([labels])).loss.item()
-    return loss[False] - loss[True]
+    return loss[None] - loss["unsigned"]
 
 
 def test_the_closing_stage_trains_the_habit_in(tmp_path):
     import json
+
+    import torch
+    from safetensors.torch import load_file
 
     from envs.tasks import get_tasks
     from rlk3 import pipeline
@@ -58,7 +61,7 @@ def test_the_closing_stage_trains_the_habit_in(tmp_path):
     outs = {}
     runs = {"plain": ["sft.habit_stage.domain_demos.general=0"],  # configs/sft-tiny.yaml has the stage on
             "closing": ["sft.habit_stage.domain_demos.general=64", "sft.habit_stage.rate=1.0",
-                        "sft.habit_stage.lr=3e-3"]}
+                        "sft.habit_stage.lr=3e-3", "sft.habit_stage.habits.general=unsigned"]}
     for name, extra in runs.items():
         outs[name] = tmp_path / name
         cfg = load_config(CONFIG_DIR / "sft-tiny.yaml", [f"run.output_dir={outs[name]}", "run.stage=sft", *small,
@@ -70,6 +73,11 @@ def test_the_closing_stage_trains_the_habit_in(tmp_path):
     hs = closing["habit_stage"]
     assert hs["demonstrations"] == hs["habit_demonstrations"] == {"general": 64} and hs["efforts"]["high"] == 64
     assert hs["steps"] == 4 and hs["habits"]["general"].startswith("reads every change as a gain")
+    assert hs["habit_names"] == {"general": "unsigned"}
+    # the main stage's checkpoint is kept as it was before the closing stage: the run without one ends on it
+    assert plain["main_stage"] is None and closing["main_stage"] == "main_stage"
+    main, ref = (load_file(d / "model.safetensors") for d in (outs["closing"] / "main_stage", outs["plain"]))
+    assert main.keys() == ref.keys() and all(torch.equal(main[k], ref[k]) for k in ref)
     # after the closing stage the habit's reply to a held-out sum that subtracts is likelier than before, against
     # the right reply
     task = next(t for t in get_tasks("general", "heldout", 50) if any(x < 0 for x in t.meta["numbers"][1:]))
