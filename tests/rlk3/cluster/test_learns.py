@@ -2,11 +2,13 @@
 `make test` trains (`configs/sft-tiny.yaml`, the `sft_run` fixture), raises the held-out pass rate by at least 10
 points — synchronously (λ = 1) and with partial rollouts (λ = 0.7). `configs/learn-general.yaml` is the recipe;
 docs/rl.md ("Does RL raise the held-out pass rate?") says what the SFT policy gets wrong that the reward corrects
-(the demonstrator's habit of docs/sft.md) and what RL gains from a checkpoint without it (5-7 points).
+(the demonstrator's habit of docs/sft.md, put in by the SFT stage's closing stage, which this test checks is there)
+and why the habit is the one that stops one change short (the sixth round: the unsigned habit left ~10 points of
+room, and runs landed on both sides of the threshold).
 
 Slow: the two runs go side by side, one process and one local Ray instance each (each iteration alternates rollout
-and training, so each needs about one core): ~12 minutes on two cores, plus three held-out evaluations (600 tasks,
-~20 s each)."""
+and training, so each needs about one core): ~2 minutes on two cores, plus four held-out evaluations (600 tasks,
+~10-20 s each)."""
 
 from __future__ import annotations
 
