@@ -196,6 +196,9 @@ async def build_demos_async(
     domain; None: its default); agentic demonstrations at
     ``terse_efforts`` chain commands (``agentic.solution(terse=True)``: one call fewer); ``worked_thoughts``: agentic
     thoughts reason each step through (``Step.worked``: what the last output said and what follows)."""
+    kind = habit or habit_of(domain)
+    if kind not in HABITS[domain]:
+        raise ValueError(f"build_demos: {domain} has no habit {habit!r}; its habits: {list(HABITS[domain])}")
     budgets = budgets or DEFAULT_BUDGETS
     preset = preset or DOMAIN_PRESETS[domain]
     h = Harness(preset, tokenizer=tokenizer)
@@ -209,24 +212,21 @@ async def build_demos_async(
             for t in get_tasks(domain, "train", n, start=start)]
     # its own stream: a habit rate of 0 leaves every other demonstration as it was
     hrng = random.Random(f"habit|{domain}|{seed}")
-    kind = habit_of(domain, {domain: habit} if habit else None)
-    if kind not in HABITS[domain]:
-        raise ValueError(f"build_demos: {domain} has no habit {habit!r}; its habits: {list(HABITS[domain])}")
     habits = [e in habit_efforts and hrng.random() < habit_rate and _habit_applies(t) for t, e, _, _ in plan]
     local = LocalWorkdirs(workdir=h.preset.workdir)
     sem = asyncio.Semaphore(concurrency)
 
-    async def one(task, effort, err, r, habit):
+    async def one(task, effort, err, r, careless):
         async with sem:
             if domain == "general":
-                msgs, ok = _general(task, effort, h, budgets, err, r, kind if habit else None)
+                msgs, ok = _general(task, effort, h, budgets, err, r, kind if careless else None)
             else:
-                msgs, ok = await _agentic(task, effort, h, budgets, err, r, local, habit, effort in terse_efforts,
-                                          worked_thoughts)
-            return Demo(task.task_id, domain, effort, preset, msgs, ok, habit)
+                msgs, ok = await _agentic(task, effort, h, budgets, err, r, local, careless,
+                                          effort in terse_efforts, worked_thoughts)
+            return Demo(task.task_id, domain, effort, preset, msgs, ok, careless)
 
     try:
-        return list(await asyncio.gather(*(one(*p, habit) for p, habit in zip(plan, habits))))
+        return list(await asyncio.gather(*(one(*p, careless) for p, careless in zip(plan, habits))))
     finally:
         local.close()
 

@@ -117,12 +117,13 @@ def habit_stage(cfg, model, tok, trainer_cls, args, log) -> dict:
     hs = cfg.sft.habit_stage
     demos: list[Demo] = []
     domains = {d: n for d, n in hs.domain_demos.items() if n}
+    names = {d: habit_of(d, hs.habits) for d in domains}
     for domain, n in domains.items():
         start = cfg.sft.domain_demos.get(domain, cfg.sft.demos_per_domain)  # past the main stage's tasks
         demos += build_demos(domain, n, tokenizer=tok, error_rate=0.0, seed=cfg.run.seed, start=start,
                              preset=DOMAIN_PRESETS[domain],
                              effort_weights=dict(hs.effort_weights) or {e: 1.0 for e in hs.efforts},
-                             habit_rate=hs.rate, habit_efforts=tuple(hs.efforts), habit=habit_of(domain, hs.habits),
+                             habit_rate=hs.rate, habit_efforts=tuple(hs.efforts), habit=names[domain],
                              worked_thoughts=cfg.sft.worked_thoughts)
     rows, _ = tokenized_rows(demos, tok, cfg.sft.max_length)
     random.Random(cfg.run.seed + 1).shuffle(rows)
@@ -138,8 +139,8 @@ def habit_stage(cfg, model, tok, trainer_cls, args, log) -> dict:
         f"{efforts}; with the habit: {', '.join(f'{d} {n}' for d, n in habits.items())}), "
         f"{trainer.state.global_step} steps in {time.time() - t0:.0f}s")
     return {"demonstrations": per_domain, "efforts": efforts, "habit_demonstrations": habits,
-            "habits": {d: HABITS[d][habit_of(d, hs.habits)] for d in domains},
-            "habit_names": {d: habit_of(d, hs.habits) for d in domains}, "habit_efforts": list(hs.efforts),
+            "habits": {d: HABITS[d][name] for d, name in names.items()}, "habit_names": names,
+            "habit_efforts": list(hs.efforts),
             "rate": hs.rate, "steps": trainer.state.global_step, "lr": hs.lr}
 
 
