@@ -13,6 +13,7 @@ from rlk3.engine.engine import (
     PoolStats,
     PrefixCacheStats,
     RolloutEngine,
+    StopCheckError,
     UnknownRequestError,
 )
 from rlk3.engine.pool import PoolError
@@ -31,5 +32,6 @@ __all__ = [
     "RequestStatus",
     "RolloutEngine",
     "SamplingParams",
+    "StopCheckError",
     "UnknownRequestError",
 ]

@@ -183,6 +183,11 @@ class EngineConfig:
         return cls(**values)
 
 
+# the smallest temperature other than 0. Far below it (~1e-37 for logits of ordinary size) logits / temperature
+# overflow float32 and the draw gets NaN probabilities; vLLM treats temperatures under 1e-5 as greedy, here 0 says so
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass
 class SamplingParams:
     """How one request samples. ``temperature=0`` is greedy. The reported logprob of a token is always under
@@ -201,8 +206,10 @@ class SamplingParams:
         own = "SamplingParams"
         _int(own, "max_tokens", self.max_tokens, 1)
         t = self.temperature
-        if not isinstance(t, Real) or isinstance(t, bool) or not t >= 0.0 or t == float("inf"):
-            raise EngineConfigError(f"{own}.temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if (not isinstance(t, Real) or isinstance(t, bool) or not (t == 0.0 or t >= MIN_TEMPERATURE)
+                or t == float("inf")):
+            raise EngineConfigError(f"{own}.temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE} "
+                                    f"(logits / temperature must stay finite), got {t!r}")
         p = self.top_p
         if not isinstance(p, Real) or isinstance(p, bool) or not 0.0 < p <= 1.0:
             raise EngineConfigError(f"{own}.top_p must be a number in (0, 1], got {p!r}")
@@ -217,6 +224,13 @@ class SamplingParams:
             raise EngineConfigError(f"{own}.stop must be a list of non-empty strings, got {self.stop!r}")
         self.stop = list(self.stop)
         _int(own, "seed", self.seed, 0, allow_none=True, maximum=SEED_MAX)
+        # stored as Python numbers (a NumPy uint64 seed or int64 max_tokens passes the checks above, but the seed's
+        # hashing and the samplers' arithmetic want ints and floats)
+        self.max_tokens, self.top_k, self.temperature, self.top_p = (
+            int(self.max_tokens), int(self.top_k), float(self.temperature), float(self.top_p))
+        self.stop_token_ids = [int(i) for i in self.stop_token_ids]
+        if self.seed is not None:
+            self.seed = int(self.seed)
 
     @property
     def greedy(self) -> bool:

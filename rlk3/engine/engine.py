@@ -28,6 +28,7 @@ import time
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from numbers import Integral
 
 import torch
 
@@ -67,6 +68,11 @@ PACKED_PREFILL_RUNS = {"cpu": False, "cuda": True}
 
 class EngineError(RuntimeError):
     """A call that is not valid in the engine's current state (released memory, wrong request status)."""
+
+
+class StopCheckError(EngineError):
+    """A request's stop strings could not be checked (its tokenizer's ``decode`` raised): that request is ended
+    (``FinishReason.ABORT``, its tokens kept); the other requests of the step are recorded as usual."""
 
 
 class UnknownRequestError(ValueError):
@@ -138,21 +144,42 @@ def _warn_once(message: str) -> None:
 
 
 def _token_list(ids, name: str) -> list[int]:
-    if isinstance(ids, torch.Tensor):
-        if ids.dim() != 1 or ids.is_floating_point():
-            raise ValueError(
-                f"{name} must be a 1-D integer tensor or a list of ints, got {ids.dtype} {list(ids.shape)}"
-            )
+    if isinstance(ids, torch.Tensor) or _is_array(ids):
+        if isinstance(ids, torch.Tensor):
+            integer = not (ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex())
+        else:
+            integer = ids.dtype.kind in "iu"  # NumPy's signed and unsigned integers (not bool, float, complex)
+        if ids.ndim != 1 or not integer:
+            raise ValueError(f"{name} must be a list of ints or a 1-D integer tensor or array, got a "
+                             f"{type(ids).__name__} of {ids.dtype} and shape {list(ids.shape)}")
         return ids.tolist()
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
-        raise ValueError(f"{name} must be a list of token ids, got {type(ids).__name__}")
+        raise ValueError(f"{name} must be a list of ints or a 1-D integer tensor or array, got "
+                         f"{type(ids).__name__}")
     out = list(ids)
     if set(map(type, out)) <= {int}:  # the common case in one C-level pass (an agent re-sends 100K-token lists)
         return out
     for t in out:
-        if isinstance(t, bool) or not isinstance(t, int):
+        if isinstance(t, bool) or not isinstance(t, Integral):
             raise ValueError(f"{name} must contain ints, got {t!r} ({type(t).__name__})")
-    return out
+    return [int(t) for t in out]  # NumPy's integers, say: stored as Python ints
+
+
+def _is_array(value) -> bool:
+    """A NumPy (or NumPy-like) array, recognised without importing NumPy."""
+    return hasattr(value, "__array_interface__") and hasattr(value, "dtype") and hasattr(value, "tolist")
+
+
+def _turn_ends(turn_ends, new: int) -> list[int]:
+    """``turn_ends`` checked before anything is changed: positions within the ``new`` tokens."""
+    if isinstance(turn_ends, (str, bytes, Mapping)) or not isinstance(turn_ends, Iterable):
+        raise ValueError(f"turn_ends must be a list of token positions (ints in [1, {new}]), got "
+                         f"{type(turn_ends).__name__}")
+    positions = list(turn_ends)
+    for pos in positions:
+        if isinstance(pos, bool) or not isinstance(pos, Integral) or not 1 <= pos <= new:
+            raise ValueError(f"turn_ends positions must be ints in [1, {new}], got {pos!r}")
+    return [int(pos) for pos in positions]
 
 
 @dataclass
@@ -311,8 +338,9 @@ class RolloutEngine:
         as does the prompt's own end (``checkpoint_prompt_end``, which also keeps a tail checkpoint at each exact
         position, prefix_cache.py)."""
         self._settle()
-        sampling = self._check_sampling(sampling)
+        given, sampling = sampling, self._check_sampling(sampling)
         tokens, packed = self._check_tokens(prompt_ids, "prompt_ids")
+        turn_ends = _turn_ends(turn_ends, len(tokens))
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
             while request_id in self.requests:
@@ -323,7 +351,7 @@ class RolloutEngine:
             raise ValueError(f"request_id {request_id!r} is already in use (abort or release it first)")
         self._check_fits(len(tokens) + sampling.max_tokens, f"request {request_id!r}")
         req = Request(
-            request_id=request_id, tokens=tokens, sampling=sampling, **self._stream(sampling),
+            request_id=request_id, tokens=tokens, sampling=sampling, sampling_arg=given, **self._stream(sampling),
             arrival=next(self._arrivals), turn_start=len(tokens), packed=packed if self.prefix is not None else None,
         )
         self._mark_turn_ends(req, turn_ends, 0)
@@ -349,13 +377,20 @@ class RolloutEngine:
                 f"extend: request {request_id!r} is {req.status.value}; only paused or finished requests can be "
                 f"extended (pause it first)"
             )
-        sampling = self._check_sampling(sampling) if sampling is not None else req.sampling
+        given = sampling
+        sampling = self._check_sampling(given) if given is not None else req.sampling
         tokens, _ = self._check_tokens(token_ids, "token_ids")
         self._check_fits(len(req.tokens) + len(tokens) + sampling.max_tokens, f"request {request_id!r}")
+        turn_ends = _turn_ends(turn_ends, len(tokens))
+        # the previous turn's result, if this call's settling finished it, is the caller's already (the status it
+        # read to extend): step() must not report it as the new turn's end
+        self._unreported.pop(request_id, None)
         start = len(req.tokens)
-        if sampling is not req.sampling and sampling.seed is not None:
+        if given is not None and given is not req.sampling_arg and sampling.seed is not None:
             stream = self._stream(sampling)
             req.generator, req.seed = stream["generator"], stream["seed"]
+        if given is not None:
+            req.sampling_arg = given
         req.tokens += tokens
         req.sampling = sampling
         req.turn += 1
@@ -375,13 +410,15 @@ class RolloutEngine:
         Returns their partial results. Pausing a paused request does nothing; a request that finished in the step
         this call settled (asynchronous decode) returns its final result, which ``step()`` then no longer reports."""
         self._settle()
+        reqs = self._many(request_ids)
+        for req in reqs:  # all checked before any is paused
+            if req.status == RequestStatus.FINISHED and req.request_id not in self._unreported:
+                raise EngineError(f"pause: request {req.request_id!r} is finished (extend or release it instead)")
         out = []
-        for req in self._many(request_ids):
-            if req.status == RequestStatus.FINISHED and req.request_id in self._unreported:
+        for req in reqs:
+            if req.status == RequestStatus.FINISHED:  # in the step this call settled: its final result
                 out.append(self._unreported.pop(req.request_id))
                 continue
-            if req.status == RequestStatus.FINISHED:
-                raise EngineError(f"pause: request {req.request_id!r} is finished (extend or release it instead)")
             if req.status != RequestStatus.PAUSED:
                 self.scheduler.remove(req)
                 req.status = RequestStatus.PAUSED
@@ -442,13 +479,24 @@ class RolloutEngine:
             raise EngineError("step: the pool was released (release_memory); call reacquire_memory() first")
         finished = list(self._unreported.values())
         self._unreported.clear()
+        try:
+            self._step(finished)
+        except BaseException:  # results already final are reported by the next call, not lost with this one
+            for res in finished:
+                self._unreported.setdefault(res.request_id, res)
+            raise
+        return finished
+
+    def _step(self, finished: list[GenerationResult]) -> None:
         if self._inflight is not None:
             start, prev, self._inflight = time.perf_counter(), self._inflight, None
             try:
                 after = self._lookahead(prev)  # launched before prev's tokens are on the host
             except BaseException:  # prev's tokens are still recorded (and reported by the next call)
-                for res in self._read_back(prev):
-                    self._unreported[res.request_id] = res
+                try:
+                    self._settle_step(prev)
+                finally:
+                    self._redo()
                 raise
             finished += self._read_back(prev)
             if after is not None:
@@ -457,20 +505,24 @@ class RolloutEngine:
                 self._inflight = after
             self._decode_seconds += time.perf_counter() - start
             if after is not None:
-                return finished
+                return
         start = time.perf_counter()  # admission counts: a prefix hit's lookup and restore are part of its prefill
         plan = self.scheduler.schedule()
         if not plan:
-            return finished
+            return
         self._progress += 1
         self.pool.flush()  # the slots admitted above are zeroed (a CUDA-graph replay reads the pool without a view)
         if self.async_decode and self._can_overlap(plan):
             reqs = [req for req, _ in plan]
-            self._inflight = self._launch(reqs, self._decode_batch(reqs))
+            try:
+                self._inflight = self._launch(reqs, self._decode_batch(reqs))
+            except BaseException:
+                self._redo()
+                raise
             for req in reqs:
                 self.scheduler.register(req)
             self._decode_seconds += time.perf_counter() - start
-            return finished
+            return
         batch = self._batch(plan)
         logits = self._forward(batch)
         wanted = [req for req, n in plan if req.num_computed + n == len(req.tokens)]
@@ -487,7 +539,6 @@ class RolloutEngine:
             self._prefill_seconds += elapsed
         else:
             self._decode_seconds += elapsed
-        return finished
 
     def generate(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] | None = None
@@ -498,6 +549,9 @@ class RolloutEngine:
             raise ValueError("generate: prompts must be a non-empty list of token-id lists")
         if sampling is None or isinstance(sampling, SamplingParams):
             params = [sampling] * len(prompts)
+        elif isinstance(sampling, (Mapping, str, bytes)) or not isinstance(sampling, Iterable):
+            raise ValueError(f"generate: sampling must be a SamplingParams (one for all prompts) or a list of them "
+                             f"(one per prompt), got {type(sampling).__name__}")
         else:
             params = list(sampling)
             if len(params) != len(prompts):
@@ -533,6 +587,12 @@ class RolloutEngine:
                              f"got {version!r}")
         params = dict(self.model.named_parameters())
         params.update(dict(self.model.named_buffers()))
+        not_pairs = (str, bytes, torch.Tensor, torch.nn.Module)  # iterable, but not of (name, tensor) pairs
+        if not isinstance(state_dict, Mapping) and (not isinstance(state_dict, Iterable)
+                                                     or isinstance(state_dict, not_pairs)):
+            raise ValueError(f"update_weights: state_dict must be a mapping of weight names to tensors (e.g. "
+                             f"model.state_dict()) or an iterable of (name, tensor) pairs, got "
+                             f"{type(state_dict).__name__}")
         items = list(state_dict.items() if isinstance(state_dict, Mapping) else state_dict)
         _check_weights(items, params)  # everything before touching anything: a failed update changes nothing
         for name, tensor in items:
@@ -630,10 +690,19 @@ class RolloutEngine:
         """Raises ``AssertionError`` if the pool's bookkeeping is inconsistent: every page's reference count equals
         the references held by requests, the prefix cache and the CUDA-graph scratch; free pages are exactly those
         with none; the pool never holds more than its budget; every admitted request has room for what it
-        computed. A debugging aid (the stress test calls it every step); O(pages)."""
+        computed; every request is in its status's queue once, and a running one has a token to compute (or it
+        would never be scheduled again). A debugging aid (the stress test calls it every step); O(pages)."""
         self._settle()
-        pool = self.pool
+        pool, sched = self.pool, self.scheduler
         assert pool.allocated_bytes <= pool.budget, (pool.allocated_bytes, pool.budget)
+        for queue, status in ((sched.running, RequestStatus.RUNNING), (sched.waiting, RequestStatus.WAITING)):
+            assert len({id(r) for r in queue}) == len(queue), f"a request is {status.value} twice"
+            for req in queue:
+                assert req.status == status and self.requests.get(req.request_id) is req, req.request_id
+        for req in self.requests.values():
+            assert 0 <= req.num_computed <= len(req.tokens), (req.request_id, req.num_computed, len(req.tokens))
+            if req.status == RequestStatus.RUNNING:
+                assert req.pending >= 1, f"running request {req.request_id!r} has nothing to compute"
         if self.released:
             assert pool.allocated_bytes == 0
             return
@@ -675,11 +744,13 @@ class RolloutEngine:
     def _many(self, request_ids: str | Iterable[str]) -> list[Request]:
         if isinstance(request_ids, str):
             ids = [request_ids]
-        elif isinstance(request_ids, Iterable):
+        elif isinstance(request_ids, Iterable) and not isinstance(request_ids, (bytes, bytearray, Mapping)):
             ids = list(request_ids)
         else:
             raise ValueError(f"request ids must be a str or an iterable of str, got {type(request_ids).__name__}")
-        return [self._get(i) for i in ids]  # all checked before any is touched
+        # all checked before any is touched; a repeated id counts once (resuming a request twice would queue it
+        # twice, and its second admission would overwrite its cache's pages without freeing them)
+        return list({id(r): r for r in map(self._get, ids)}.values())
 
     def _forget(self, req: Request) -> None:
         self._unreported.pop(req.request_id, None)
@@ -692,6 +763,9 @@ class RolloutEngine:
         sampling = sampling if sampling is not None else SamplingParams()
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        # the request's own copy, validated again: the caller may have set fields since constructing it (or go on
+        # to edit it for the next batch while this request is queued)
+        sampling = dataclasses.replace(sampling)
         bad = [t for t in sampling.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"SamplingParams.stop_token_ids {bad} are out of the vocabulary [0, {self.vocab_size})")
@@ -734,12 +808,9 @@ class RolloutEngine:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
         return dict(seed=seed, generator=torch.Generator(device=self.device).manual_seed(generator_seed(seed)))
 
-    def _mark_turn_ends(self, req: Request, turn_ends: Sequence[int], offset: int) -> None:
+    def _mark_turn_ends(self, req: Request, turn_ends: list[int], offset: int) -> None:
         B = self.config.prefix_block_tokens
-        new = len(req.tokens) - offset
-        for pos in turn_ends:
-            if isinstance(pos, bool) or not isinstance(pos, int) or not 1 <= pos <= new:
-                raise ValueError(f"turn_ends positions must be ints in [1, {new}], got {pos!r}")
+        for pos in turn_ends:  # (checked by ``_turn_ends``)
             req.marks.add((offset + pos) // B)
             if self.config.checkpoint_prompt_end and (offset + pos) % B:
                 req.tail_marks.add(offset + pos)
@@ -994,12 +1065,37 @@ class RolloutEngine:
     def _sample(self, wanted: list[Request], logits: torch.Tensor) -> list[GenerationResult]:
         if not wanted:
             return []
-        keys = self._keys(wanted) if self.counter_sampling else None
-        tokens, logprobs = sample(logits, [r.sampling for r in wanted], [r.generator for r in wanted], keys=keys,
-                                  cpu_kernels=self.kernels == "cpu")
-        finished = []
-        for req, tok, lp in zip(wanted, tokens, logprobs):
-            finished += self._append(req, tok, lp)
+        try:
+            keys = self._keys(wanted) if self.counter_sampling else None
+            tokens, logprobs = sample(logits, [r.sampling for r in wanted], [r.generator for r in wanted], keys=keys,
+                                      cpu_kernels=self.kernels == "cpu")
+        except BaseException:
+            self._redo()
+            raise
+        return self._append_all(zip(wanted, tokens, logprobs))
+
+    def _redo(self) -> None:
+        """After a step that raised between its forward and its draw: a running request whose last token was
+        computed but drew nothing has no pending token and would never be scheduled again, so it is recomputed
+        from the start (preempted) when it next runs."""
+        for req in [r for r in self.scheduler.running if r.pending <= 0]:
+            self.scheduler.preempt(req)
+
+    def _append_all(self, drawn: Iterable[tuple[Request, int, float]]) -> list[GenerationResult]:
+        """Records a step's draws. A request whose stop check raised is ended with its tokens kept, the others are
+        recorded regardless, and the error is raised once all are: the step's finished results (that request's
+        among them) are then reported by the next ``step()``."""
+        finished, error = [], None
+        for req, tok, lp in drawn:
+            try:
+                finished += self._append(req, tok, lp)
+            except StopCheckError as e:
+                finished.append(req.result())
+                error = error or e
+        if error is not None:
+            for res in finished:
+                self._unreported[res.request_id] = res
+            raise error
         return finished
 
     def _keys(self, reqs: list[Request]) -> torch.Tensor:
@@ -1014,16 +1110,26 @@ class RolloutEngine:
         req.logprobs.append(logprob)
         req.versions.append(self.version)
         self._generated += 1
-        reason = self._finish_reason(req, token)
+        try:
+            reason = self._finish_reason(req, token)
+        except Exception as e:  # the caller's tokenizer, decoding for the stop strings
+            self._finish(req, FinishReason.ABORT)
+            raise StopCheckError(
+                f"request {req.request_id!r}: its stop strings could not be checked, the tokenizer's decode raised "
+                f"{type(e).__name__}: {e}; the request was ended (finish_reason abort) with its {len(req.logprobs)} "
+                f"tokens of this turn kept, and every other request of the step was recorded") from e
         if reason is None:
             return []
+        self._finish(req, reason)
+        if self.config.checkpoint_generation_end:
+            self.scheduler.save_tail(req, evict=False)
+        return [req.result()]
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
         req.finish_reason = reason
         self.scheduler.running.remove(req)
         req.status = RequestStatus.FINISHED
         self.scheduler.mark_finished(req)
-        if self.config.checkpoint_generation_end:
-            self.scheduler.save_tail(req, evict=False)
-        return [req.result()]
 
     # -- asynchronous decode (module docstring)
 
@@ -1038,7 +1144,7 @@ class RolloutEngine:
         logits = self._forward(batch)
         for req in reqs:
             req.num_computed += 1
-        keys = self._keys(reqs) if self.counter_sampling else None
+        keys = self._keys(reqs) if self.counter_sampling else None  # (a raise here: the caller's ``_redo``)
         tokens, logprobs = sample_tensors(logits, [r.sampling for r in reqs], [r.generator for r in reqs], keys=keys)
         host, done = torch.stack([tokens.double(), logprobs.double()]), None
         if host.is_cuda:
@@ -1093,18 +1199,19 @@ class RolloutEngine:
             step.done.synchronize()
         self._progress += 1
         tokens, logprobs = step.host.tolist()
-        finished = []
-        for req, tok, lp in zip(step.reqs, tokens, logprobs):
-            if req.status == RequestStatus.RUNNING and self.requests.get(req.request_id) is req:
-                finished += self._append(req, int(tok), lp)
-        return finished
+        return self._append_all(
+            (req, int(tok), lp) for req, tok, lp in zip(step.reqs, tokens, logprobs)
+            if req.status == RequestStatus.RUNNING and self.requests.get(req.request_id) is req)
 
     def _settle(self) -> None:
         """Reads back the step in flight, keeping its finished results for the next ``step()``."""
         if self._inflight is not None:
             step, self._inflight = self._inflight, None
-            for res in self._read_back(step):
-                self._unreported[res.request_id] = res
+            self._settle_step(step)
+
+    def _settle_step(self, step: _InFlight) -> None:
+        for res in self._read_back(step):
+            self._unreported[res.request_id] = res
 
     def _finish_reason(self, req: Request, token: int) -> FinishReason | None:
         p = req.sampling

@@ -43,11 +43,14 @@ class GenerationResult:
 class Request:
     request_id: str
     tokens: list[int]  # the whole sequence: prompt, generated tokens, appended tool output, ...
-    sampling: SamplingParams
+    sampling: SamplingParams  # the request's own copy (engine._check_sampling)
     generator: torch.Generator
     seed: int  # the request's seed (drawn from the engine's when the request brought none): the counter sampler's key
     arrival: int  # FIFO order of add_request / extend
     turn_start: int  # tokens[turn_start:] are this turn's generated tokens
+    # the object the caller passed: an extend given the same object again continues the random stream, a new
+    # one with a seed starts that seed's stream (by identity: ``sampling`` is the engine's copy of it)
+    sampling_arg: SamplingParams | None = field(default=None, repr=False)
     marks: set[int] = field(default_factory=set)  # block boundaries that want a KDA checkpoint (turn ends)
     tail_marks: set[int] = field(default_factory=set)  # positions off a boundary that want a tail checkpoint
     status: RequestStatus = RequestStatus.WAITING

@@ -313,16 +313,20 @@ class Scheduler:
         return lead.status == RequestStatus.WAITING or (
             lead.status == RequestStatus.RUNNING and lead.cache_version == self.version)
 
+    def _leads(self, lead: Request, req: Request) -> bool:
+        """``lead`` can still hand ``req`` its cache: it can lead, and its fork point is ``req``'s last token."""
+        return lead is not req and lead.fork_at == len(req.tokens) - 1 and self._can_lead(lead)
+
     def _follow(self, req: Request) -> bool:
         """Whether a waiting request waits for a leader (found now or earlier) instead of being admitted."""
         if req.leader is not None:
-            if self._can_lead(req.leader):
+            if self._leads(req.leader, req):
                 return True
             req.leader = None
         if not self.leaders or req.num_computed or len(req.tokens) < 2:
             return False
         lead = self.leaders.get(tuple(req.tokens))
-        if lead is None or lead is req or not self._can_lead(lead):
+        if lead is None or not self._leads(lead, req):
             return False
         req.leader = lead
         lead.followers.append(req)
@@ -330,9 +334,22 @@ class Scheduler:
 
     def _lead(self, req: Request) -> None:
         """An admitted request with a prompt to prefill: later arrivals with the same tokens may follow it."""
+        if req.fork_at and req.fork_at != len(req.tokens) - 1:
+            # admitted again with more tokens (its cache was dropped after it sampled, or it was extended): it no
+            # longer leads its old prompt, whose followers would otherwise fork at the new, longer position
+            self._unlead(req)
         if self.config.share_prefill and req.pending >= 2:
             req.fork_at = len(req.tokens) - 1
             self.leaders[tuple(req.tokens)] = req
+
+    def _unlead(self, req: Request) -> None:
+        key = tuple(req.tokens[: req.fork_at + 1])  # tokens only grow: the prompt it was registered under
+        if self.leaders.get(key) is req:
+            del self.leaders[key]
+        for f in req.followers:
+            if f.leader is req:
+                f.leader = None
+        req.followers, req.fork_at = [], 0
 
     def _fork_followers(self, planned: dict) -> None:
         """Leaders at their fork point hand their followers a copy of their cache; every other leader that can no
@@ -342,7 +359,8 @@ class Scheduler:
                        and lead.cache_version == self.version)
             if at_fork:
                 for f in lead.followers:
-                    if f.leader is lead and f.status == RequestStatus.WAITING:
+                    if (f.leader is lead and f.status == RequestStatus.WAITING
+                            and lead.fork_at == len(f.tokens) - 1):
                         f.leader = None
                         self._fork(lead, f, planned)
             if at_fork or not self._can_lead(lead):

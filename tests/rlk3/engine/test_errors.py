@@ -39,14 +39,25 @@ def test_bad_prompts(engine):
         engine.add_request([1, 1.5])
     with pytest.raises(ValueError, match=r"must contain ints, got True \(bool\)"):
         engine.add_request([1, True])  # an int to isinstance, not a token id
-    with pytest.raises(ValueError, match=r"must contain ints, got (np\.int64\()?7\)? \(int64\)"):
-        engine.add_request([1, np.int64(7)])
-    with pytest.raises(ValueError, match="1-D integer tensor"):
+    with pytest.raises(ValueError, match=r"1-D integer tensor or array, got a Tensor of torch.float32 and shape \[3\]"):
         engine.add_request(torch.ones(3))
-    with pytest.raises(ValueError, match="list of token ids, got str"):
+    for odd in (torch.tensor([True, False]), torch.ones(2, dtype=torch.complex64), torch.ones(2, 2, dtype=torch.long),
+                np.ones(3), np.array([True, False])):  # bools would be stored as token ids True / False
+        with pytest.raises(ValueError, match="must be a list of ints or a 1-D integer tensor or array, got a"):
+            engine.add_request(odd)
+    with pytest.raises(ValueError, match="list of ints or a 1-D integer tensor or array, got str"):
         engine.add_request("hello")
     with pytest.raises(ValueError, match=r"turn_ends positions must be ints in \[1, 3\], got 4"):
         engine.add_request([1, 2, 3], turn_ends=[4])
+    with pytest.raises(ValueError, match=r"turn_ends must be a list of token positions \(ints in \[1, 3\]\), got int"):
+        engine.add_request([1, 2, 3], turn_ends=2)
+    assert not engine.requests  # nothing refused above was queued
+    # NumPy's integers (an array, or in a list) are token ids too, stored as Python ints
+    for ids in ([1, np.int64(7)], np.array([1, 7], dtype=np.int32), np.array([1, 7], dtype=np.uint16)):
+        rid = engine.add_request(ids)
+        tokens = engine.requests[rid].tokens
+        assert tokens == [1, 7] and all(type(t) is int for t in tokens), tokens
+        engine.abort(rid)
 
 
 @pytest.mark.parametrize(
@@ -54,7 +65,8 @@ def test_bad_prompts(engine):
     [
         (dict(max_tokens=0), r"SamplingParams.max_tokens must be an int >= 1, got 0"),
         (dict(max_tokens=-3), r"SamplingParams.max_tokens must be an int >= 1, got -3"),
-        (dict(temperature=-0.1), r"SamplingParams.temperature must be a finite number >= 0"),
+        (dict(temperature=-0.1), r"SamplingParams.temperature must be 0 \(greedy\) or a finite number >= 1e-05"),
+        (dict(temperature=1e-40), r"SamplingParams.temperature must be 0 \(greedy\) or .* got 1e-40"),
         (dict(top_p=0.0), r"SamplingParams.top_p must be a number in \(0, 1\], got 0.0"),
         (dict(top_k=-1), r"SamplingParams.top_k must be an int >= 0, got -1"),
         (dict(stop_token_ids=[1, "x"]), r"SamplingParams.stop_token_ids must be a list of ints >= 0"),
