@@ -299,6 +299,7 @@ class RolloutEngine:
         self.prefill_graphs = config.prefill_graphs if config.prefill_graphs is not None else graphs
         self._inflight: _InFlight | None = None
         self._unreported: dict[str, GenerationResult] = {}  # finished while settling a step, for the next step()
+        self._stop_error: StopCheckError | None = None  # raised while another call settled a step: for step()
         self._progress = 0  # step() calls that did any work (generate()'s check that something can run)
         self._overlapped = 0
         self._padded_steps = self._padding_tokens = self._split_checkpoints = 0
@@ -477,6 +478,9 @@ class RolloutEngine:
         asynchronous decode, of those that finished in the step read back during this call (module docstring)."""
         if self.released:
             raise EngineError("step: the pool was released (release_memory); call reacquire_memory() first")
+        if self._stop_error is not None:  # from a step settled by another call (its results stay unreported)
+            error, self._stop_error = self._stop_error, None
+            raise error
         finished = list(self._unreported.values())
         self._unreported.clear()
         try:
@@ -498,11 +502,13 @@ class RolloutEngine:
                 finally:
                     self._redo()
                 raise
-            finished += self._read_back(prev)
-            if after is not None:
-                for req in after.reqs:  # now that prev's tokens are appended (the block hashes need them)
-                    self.scheduler.register(req)
-                self._inflight = after
+            try:
+                finished += self._read_back(prev)
+            finally:  # (also when a stop check raised: the step after is launched, its rows counted as computed)
+                if after is not None:
+                    for req in after.reqs:  # now that prev's tokens are appended (the block hashes need them)
+                        self.scheduler.register(req)
+                    self._inflight = after
             self._decode_seconds += time.perf_counter() - start
             if after is not None:
                 return
@@ -1204,10 +1210,14 @@ class RolloutEngine:
             if req.status == RequestStatus.RUNNING and self.requests.get(req.request_id) is req)
 
     def _settle(self) -> None:
-        """Reads back the step in flight, keeping its finished results for the next ``step()``."""
+        """Reads back the step in flight, keeping its finished results for the next ``step()``. A stop check that
+        raised in it is raised by that ``step()`` too, not by whichever call settled (``result``, ``pause``...)."""
         if self._inflight is not None:
             step, self._inflight = self._inflight, None
-            self._settle_step(step)
+            try:
+                self._settle_step(step)
+            except StopCheckError as e:
+                self._stop_error = self._stop_error or e
 
     def _settle_step(self, step: _InFlight) -> None:
         for res in self._read_back(step):

@@ -3,6 +3,8 @@ given, and a step that raises half-way. Each case once left a request that never
 recorded a wrong token; the engine must instead give what it gives without the odd call (or refuse the call and
 change nothing), and end with every page accounted for."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -90,28 +92,41 @@ def test_a_leader_extended_after_losing_its_cache_hands_its_follower_the_right_p
 
 class RaisingTokenizer:
     """A tokenizer whose decode raises on ids past its own vocabulary (sentencepiece does), as when the model's
-    embedding is padded beyond the tokenizer's: every id here is past it."""
+    embedding is padded beyond the tokenizer's: here from a turn's third token on, which a decode step draws (with
+    asynchronous decode, a step launched ahead of its read-back)."""
 
     def decode(self, ids):
-        raise IndexError(f"piece id {ids[-1]} is out of range")
+        if len(ids) >= 3:
+            raise IndexError(f"piece id {ids[-1]} is out of range")
+        return "".join(map(chr, ids))
 
 
-def test_a_stop_check_that_raises_ends_its_request_and_no_other(tiny):
+@pytest.mark.parametrize("async_decode,poll", [(False, False), (True, False), (True, True)])
+def test_a_stop_check_that_raises_ends_its_request_and_no_other(tiny, async_decode, poll):
     prompts = [prompt(10, s) for s in range(5)]
     alone = new(tiny).generate(prompts[1:], greedy(6))
-    engine = RolloutEngine(tiny, EngineConfig(memory_bytes=16 * 2**20), tokenizer=RaisingTokenizer())
+    config = EngineConfig(memory_bytes=16 * 2**20, async_decode=async_decode, sampler="counter")
+    engine = RolloutEngine(tiny, config, tokenizer=RaisingTokenizer())
     ids = [engine.add_request(prompts[0], SamplingParams(max_tokens=6, temperature=0, stop=["never"]))]
     ids += [engine.add_request(p, greedy(6)) for p in prompts[1:]]
-    finished = []
-    with pytest.raises(StopCheckError, match=r"'req-0': its stop strings could not be checked, the tokenizer's "
-                                             r"decode raised IndexError: piece id \d+ is out of range; .*abort"):
-        while engine.has_unfinished():
-            finished += engine.step()
-    finished += run(engine)  # the others go on; the ended request is reported by the next step
+    finished, errors = [], []
+    for _ in range(100):
+        if not engine.has_unfinished():
+            break
+        if poll:  # an agent loop polling: with asynchronous decode this settles the step in flight, and a stop
+            engine.result(ids[1])  # check that raised while settling is raised by the next step(), not by result()
+            engine.check_invariants()  # (which settles too)
+        try:  # (not polling, it raises while step() reads back the step before the one it just launched)
+            finished += engine.step()  # the others go on; the ended request is reported by the next step
+        except StopCheckError as e:
+            errors.append(str(e))
+    assert len(errors) == 1 and re.fullmatch(r"request 'req-0': its stop strings could not be checked, the "
+                                             r"tokenizer's decode raised IndexError: piece id \d+ is out of range; "
+                                             r"the request was ended \(finish_reason abort\).*", errors[0]), errors
     by_id = {r.request_id: r for r in finished}
     assert sorted(by_id) == sorted(ids)
     culprit = by_id["req-0"]
-    assert culprit.finish_reason == FinishReason.ABORT and len(culprit.token_ids) == 1  # its token kept
+    assert culprit.finish_reason == FinishReason.ABORT and len(culprit.token_ids) == 3  # its tokens kept
     assert [by_id[i].token_ids for i in ids[1:]] == [r.token_ids for r in alone]
     assert_all_pages_free(engine)
 
