@@ -185,14 +185,13 @@ class PrefillGraphs:
         self.runner = runner
         self.pool = pool
         self.capture = capture
-        self.scratch = pool.alloc(pool.layout.pages_per_slot + 1) or []
+        scratch = pool.alloc(pool.layout.pages_per_slot + 1)  # (the engine makes this holder on an empty pool)
+        if scratch is None:
+            raise RuntimeError("prefill graphs: no free pages for the scratch slot")
+        self.scratch = scratch
         self.pieces: dict[tuple[int, int], _Pieces] = {}
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
         self.capture_seconds = 0.0  # spent capturing (warm-ups included), once per shape
-
-    @property
-    def ready(self) -> bool:
-        return bool(self.scratch)
 
     def close(self) -> None:
         self.pieces.clear()

@@ -35,7 +35,7 @@ import torch
 from rlk3.engine import runner_cpu
 from rlk3.engine.config import EngineConfig, EngineConfigError, SamplingParams
 from rlk3.engine.cuda_graphs import DecodeGraphs, PrefillGraphs, prefill_bucket
-from rlk3.engine.pool import PagedPool, PoolLayout, budget_bytes
+from rlk3.engine.pool import PagedPool, PoolError, PoolLayout, budget_bytes
 from rlk3.engine.prefix_cache import PrefixCache
 from rlk3.engine.request import FinishReason, GenerationResult, Request, RequestStatus
 from rlk3.engine.runner import (
@@ -290,7 +290,7 @@ class RolloutEngine:
         self._ids = itertools.count()
         self._seeds = torch.Generator().manual_seed(generator_seed(config.seed))
         self._decode_index_cache: dict[int, tuple[torch.Tensor, ...]] = {}
-        self._graphs = None  # CUDA graphs of the decode step, captured on first use (cuda_graphs.py)
+        self._graphs = None  # CUDA graphs of the decode step, captured per batch size on first use (cuda_graphs.py)
         self._prefill_graphs = None  # ... and of all-prefill steps, piecewise, per padded shape
         # CUDA graphs only over the kernel path: FLA's chunked KDA has a graph mode, the torch reference reads
         # sequence lengths on the host (it cannot be captured), and without FLA the torch path runs eagerly
@@ -306,6 +306,20 @@ class RolloutEngine:
         self._capture_seconds = 0.0  # of prefill graphs since dropped (release_memory)
         self._steps = self._prefill_tokens = self._decode_tokens = self._generated = 0
         self._prefill_seconds = self._decode_seconds = 0.0
+        # the graphs' scratch slot and page: pages no request can have (what _check_fits compares against)
+        self._scratch_pages = (self.layout.pages_per_slot + 1) * (int(self._graphs_ok) + int(self.prefill_graphs))
+        self._make_graphs()
+
+    def _make_graphs(self) -> None:
+        """The graph holders, with their scratch pages, as soon as the pool exists: taken at first use they could
+        find it full (admission fills it to the last page) and stop the step."""
+        if self._scratch_pages and self._scratch_pages > self.pool.num_pages - self.layout.pages_per_slot - 1:
+            raise PoolError(f"the pool's {self.pool.num_pages} pages cannot hold the graphs' scratch "
+                            f"({self._scratch_pages} pages) and one request")
+        if self._graphs_ok:
+            self._graphs = DecodeGraphs(self.runner, self.pool, self.config)
+        if self.prefill_graphs:
+            self._prefill_graphs = PrefillGraphs(self.runner, self.pool, capture=self._graphs_ok)
 
     def _runner(self, model, config: EngineConfig, compile: bool) -> ModelRunner:
         """The CPU kernels' runner for a float32 model on the CPU (``backend="auto"``), else the torch runner, whose
@@ -499,8 +513,8 @@ class RolloutEngine:
             except BaseException:  # prev's tokens are still recorded (and reported by the next call)
                 try:
                     self._settle_step(prev)
-                finally:
-                    self._redo()
+                finally:  # the step after it (its rows among prev's) may have run part of its forward
+                    self._recompute(prev.reqs)
                 raise
             try:
                 finished += self._read_back(prev)
@@ -523,14 +537,17 @@ class RolloutEngine:
             try:
                 self._inflight = self._launch(reqs, self._decode_batch(reqs))
             except BaseException:
-                self._redo()
+                self._recompute(reqs)
                 raise
             for req in reqs:
                 self.scheduler.register(req)
             self._decode_seconds += time.perf_counter() - start
             return
-        batch = self._batch(plan)
-        logits = self._forward(batch)
+        try:
+            logits = self._forward(self._batch(plan))
+        except BaseException:
+            self._recompute([req for req, _ in plan])
+            raise
         wanted = [req for req, n in plan if req.num_computed + n == len(req.tokens)]
         for req, n in plan:
             req.num_computed += n
@@ -645,6 +662,7 @@ class RolloutEngine:
             return
         self.pool.reacquire()
         self.released = False
+        self._make_graphs()
 
     # ------------------------------------------------------------------ stats
 
@@ -799,12 +817,13 @@ class RolloutEngine:
         limit = self.config.max_model_len
         if limit is not None and total_tokens > limit:
             raise ValueError(f"{what} needs {total_tokens} tokens (prompt + max_tokens), over max_model_len={limit}")
-        need = self.scheduler.pages_for(total_tokens)
-        if need > self.pool.num_pages:
+        need, room = self.scheduler.pages_for(total_tokens), self.pool.num_pages - self._scratch_pages
+        if need > room:
+            scratch = f", {self._scratch_pages} of them the graphs' scratch" if self._scratch_pages else ""
             raise ValueError(
                 f"{what} needs {total_tokens} tokens (prompt + max_tokens) = {need} pages of "
                 f"{self.layout.page_bytes} bytes ({need * self.layout.page_bytes} bytes), but the whole pool is "
-                f"{self.pool.num_pages} pages ({self.pool.num_pages * self.layout.page_bytes} bytes)"
+                f"{self.pool.num_pages} pages ({self.pool.num_pages * self.layout.page_bytes} bytes{scratch})"
             )
 
     def _stream(self, sampling: SamplingParams) -> dict:
@@ -962,9 +981,7 @@ class RolloutEngine:
         bucket = prefill_bucket(tokens, seqs, self.config.max_tokens_per_step)
         if bucket is None:
             return None
-        if self._prefill_graphs is None:
-            self._prefill_graphs = PrefillGraphs(self.runner, self.pool, capture=self._graphs_ok)
-        return bucket if self._prefill_graphs.ready else None
+        return bucket
 
     def _packed_groups(self, multi: list[Request], starts: list[int], lens: list[int]) -> list[PackedPrefill]:
         """Runs of consecutive multi-token sequences whose masked attention stays under ``PACKED_PREFILL_MAX``
@@ -1061,8 +1078,6 @@ class RolloutEngine:
             self._padding_tokens += batch.input_ids.shape[0] - batch.pad.tokens
             return self._prefill_graphs.run(batch)
         if self._graphs_ok and not batch.prefill_lens:
-            if self._graphs is None:
-                self._graphs = DecodeGraphs(self.runner, self.pool, self.config)
             logits = self._graphs.run(batch)  # every row's logits: keep the wanted ones
             if logits is not None:
                 return logits if batch.logit_rows.numel() == batch.num_decode else logits[batch.logit_rows]
@@ -1076,16 +1091,18 @@ class RolloutEngine:
             tokens, logprobs = sample(logits, [r.sampling for r in wanted], [r.generator for r in wanted], keys=keys,
                                       cpu_kernels=self.kernels == "cpu")
         except BaseException:
-            self._redo()
+            self._recompute(wanted)
             raise
         return self._append_all(zip(wanted, tokens, logprobs))
 
-    def _redo(self) -> None:
-        """After a step that raised between its forward and its draw: a running request whose last token was
-        computed but drew nothing has no pending token and would never be scheduled again, so it is recomputed
-        from the start (preempted) when it next runs."""
-        for req in [r for r in self.scheduler.running if r.pending <= 0]:
-            self.scheduler.preempt(req)
+    def _recompute(self, reqs: list[Request]) -> None:
+        """After a step that raised in its forward or its draw: its requests are recomputed from the start
+        (preempted) when they next run. A forward that raised part-way may have advanced KDA states and conv
+        caches in place (a layer at a time) that their token counts do not show, and a draw that raised leaves
+        requests whose last token was computed with nothing pending, never to be scheduled again."""
+        for req in reqs:
+            if req.status == RequestStatus.RUNNING and req in self.scheduler.running:
+                self.scheduler.preempt(req)
 
     def _append_all(self, drawn: Iterable[tuple[Request, int, float]]) -> list[GenerationResult]:
         """Records a step's draws. A request whose stop check raised is ended with its tokens kept, the others are
@@ -1150,7 +1167,7 @@ class RolloutEngine:
         logits = self._forward(batch)
         for req in reqs:
             req.num_computed += 1
-        keys = self._keys(reqs) if self.counter_sampling else None  # (a raise here: the caller's ``_redo``)
+        keys = self._keys(reqs) if self.counter_sampling else None  # (a raise here: the caller's ``_recompute``)
         tokens, logprobs = sample_tensors(logits, [r.sampling for r in reqs], [r.generator for r in reqs], keys=keys)
         host, done = torch.stack([tokens.double(), logprobs.double()]), None
         if host.is_cuda:

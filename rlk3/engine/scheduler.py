@@ -322,7 +322,7 @@ class Scheduler:
         if req.leader is not None:
             if self._leads(req.leader, req):
                 return True
-            req.leader = None
+            self._detach(req)
         if not self.leaders or req.num_computed or len(req.tokens) < 2:
             return False
         lead = self.leaders.get(tuple(req.tokens))
@@ -350,6 +350,14 @@ class Scheduler:
             if f.leader is req:
                 f.leader = None
         req.followers, req.fork_at = [], 0
+
+    @staticmethod
+    def _detach(req: Request) -> None:
+        """A follower stops following: off its leader's list too, or the leader would still stop at the fork point
+        for nobody (and, resumed there, be planned for no tokens)."""
+        lead, req.leader = req.leader, None
+        if lead is not None and req in lead.followers:
+            lead.followers.remove(req)
 
     def _fork_followers(self, planned: dict) -> None:
         """Leaders at their fork point hand their followers a copy of their cache; every other leader that can no
@@ -446,9 +454,14 @@ class Scheduler:
                 plan[req] = n
                 budget -= n
 
-        for req in plan:  # a leader that found followers in this step stops at their fork point
-            if req.followers:
-                plan[req] = min(plan[req], req.fork_at - req.num_computed)
+        for req, n in list(plan.items()):  # a leader that found followers in this step stops at their fork point
+            if req.followers and req.num_computed + n > req.fork_at:
+                cut = req.fork_at - req.num_computed
+                budget += n - cut
+                if cut > 0:
+                    plan[req] = cut
+                else:  # already there (resumed at it from the prefix cache): its followers fork next step
+                    del plan[req]
 
         # 3. prefill, leftover budget in order
         for req, n in list(plan.items()):

@@ -18,7 +18,7 @@ from rlk3.engine import (
     SamplingParams,
     StopCheckError,
 )
-from tests.rlk3.engine._oracle import prompt
+from tests.rlk3.engine._oracle import assert_greedy_matches_full_forward, prompt
 
 
 def greedy(n):
@@ -276,3 +276,87 @@ def test_wrong_kinds_of_arguments_are_named(tiny):
     with pytest.raises(ValueError, match="request ids must be a str or an iterable of str, got bytes"):
         engine.pause(b"ab")
     assert engine.version == 0 and not engine.requests
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])  # the CPU kernels' runner, and the torch path
+def test_a_leader_resumed_from_the_prefix_cache_at_its_fork_point_is_not_planned_for_no_tokens(tiny, backend):
+    """Leader L (with a follower F) is preempted before its fork point; meanwhile another request caches a
+    checkpoint exactly there, so L resumes at its fork point. It must not be planned for zero tokens (counted as
+    a decode row, the step raised, and on the torch path a decoding request D sharing the step had its state
+    advanced twice); F forks, and every output equals the full forward."""
+    engine = new(tiny, block_size=16, prefix_block_tokens=16, checkpoint_interval=32, prefill_chunk=40,
+                 max_tokens_per_step=2, max_num_seqs=2, backend=backend)
+    P = prompt(33, 1)  # L's fork point, 32, is a block boundary with an interval checkpoint
+    Q = [*P[:32], *prompt(30, 2)]
+    engine.add_request([5], greedy(40), request_id="D")
+    engine.add_request(Q, greedy(4), request_id="Q")
+    engine.pause("Q")
+    engine.add_request(P, greedy(3), request_id="L")
+    engine.add_request(P, greedy(3), request_id="F")
+    engine.step()
+    assert engine.requests["F"].leader is engine.requests["L"]
+    engine.release_memory()  # L preempted short of its fork point, still leading F
+    engine.reacquire_memory()
+    engine.resume("Q")  # computes P[:32] first: the checkpoint at L's fork point
+    done = {r.request_id: r for r in run(engine, limit=600)}
+    assert sorted(done) == ["D", "F", "L", "Q"]
+    assert done["L"].num_cached_tokens == 32  # resumed at its fork point
+    for r in done.values():
+        assert_greedy_matches_full_forward(tiny, r.prompt_token_ids, r.token_ids, r.logprobs)
+    assert_all_pages_free(engine)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_a_forward_that_raises_after_writing_states_recomputes_its_requests(tiny, monkeypatch, backend):
+    """A forward that raised part-way may have advanced KDA states and conv caches in place (a device error, an
+    out-of-memory error in a later layer): its requests are recomputed, so no token is applied twice."""
+    prompts = [prompt(9 + 7 * s, s) for s in range(3)]
+    alone = [r.token_ids for r in new(tiny, backend=backend).generate(prompts, greedy(6))]
+    engine = new(tiny, backend=backend)
+    ids = [engine.add_request(p, greedy(6)) for p in prompts]
+    for fail_at in (0, 3):  # a prefill step, then a decode step
+        for _ in range(fail_at):
+            engine.step()
+        def writes_then_raises(*args, forward=engine.runner.forward, **kwargs):
+            monkeypatch.setattr(engine.runner, "forward", forward)
+            forward(*args, **kwargs)  # every state of the step written
+            raise RuntimeError("out of memory in the LM head")
+
+        monkeypatch.setattr(engine.runner, "forward", writes_then_raises)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            engine.step()
+        engine.check_invariants()
+    by_id = {r.request_id: r.token_ids for r in run(engine)}
+    assert [by_id[i] for i in ids] == alone
+    assert engine.stats().preemptions >= 3
+    assert_all_pages_free(engine)
+
+
+def test_the_graphs_scratch_pages_are_taken_with_the_pool(tiny):
+    """Taken at first use, the graphs' scratch could find the pool full (admission fills it to the last page) and
+    stop the step; so it is taken with the pool, and a request is sized against the pages left."""
+    page_bytes = new(tiny).layout.page_bytes
+    engine = new(tiny, prefill_graphs=True, memory_bytes=40 * page_bytes)
+    scratch = engine.layout.pages_per_slot + 1
+    assert len(engine._prefill_graphs.scratch) == scratch
+    assert engine.stats().pool.free_pages == engine.stats().pool.total_pages - scratch
+    page_tokens = engine.layout.block_size
+    room = (engine.pool.num_pages - scratch - engine.layout.pages_per_slot) * page_tokens
+    with pytest.raises(ValueError, match=f"the whole pool is {engine.pool.num_pages} pages .*, {scratch} of them "
+                                         "the graphs' scratch"):
+        engine.add_request([1] * (room - 15), greedy(16))
+    engine.add_request([1] * (room - 16), greedy(16))  # exactly what is left
+    batch = [engine.add_request(prompt(60, 100 + i), greedy(8)) for i in range(8)]  # more than the pool holds
+    done = {r.request_id for r in run(engine, limit=3000)}
+    assert set(batch) <= done
+    engine.release_memory()
+    engine.reacquire_memory()
+    assert len(engine._prefill_graphs.scratch) == scratch
+    assert_all_pages_free_but(engine, scratch)
+
+
+def assert_all_pages_free_but(engine, scratch):
+    engine.release([r for r, q in engine.requests.items() if q.status == RequestStatus.FINISHED])
+    engine.clear_prefix_cache()
+    engine.check_invariants()
+    assert engine.stats().pool.free_pages == engine.stats().pool.total_pages - scratch

@@ -98,6 +98,21 @@ def test_cuda_graph_decode_equals_eager(preset, dtype, lengths, compile):
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-4
 
 
+def test_a_batch_larger_than_the_pool_decodes_through_the_graphs():
+    """The graphs' scratch pages are taken with the pool: made at the first all-decode step, the decode graphs
+    found a pool that admission had filled to its last page and stopped the step (a CPU emulation showed it)."""
+    model = make_model("k3-tiny", torch.float32)
+    probe = RolloutEngine(model, EngineConfig(memory_bytes=2**24, block_size=16, prefix_block_tokens=16))
+    layout = probe.layout
+    engine = RolloutEngine(model, EngineConfig(memory_bytes=layout.page_bytes * (8 * layout.pages_per_slot + 40),
+                                               block_size=16, prefix_block_tokens=16))
+    assert engine._graphs is not None and len(engine._graphs.scratch) == layout.pages_per_slot + 1
+    prompts = make_prompts(model.config.vocab_size, [60] * 16)
+    results = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0))
+    assert [len(r.token_ids) for r in results] == [8] * 16
+    engine.check_invariants()
+
+
 def test_padded_graph_decode_equals_eager_decode_at_the_graph_size():
     """7 sequences replayed in the graph of 8 (one scratch row) are bit-identical to the same 7 decoded eagerly next
     to any 8th sequence: the padding is exact. Against an eager batch of 7 they part after a few tokens, as the
@@ -259,6 +274,7 @@ def test_prefill_graphs_replay_what_the_padded_steps_compute_eagerly(preset, dty
                checkpoint_interval=64)
     graphed = RolloutEngine(model, EngineConfig(**cfg, prefill_graphs=True))
     eager = RolloutEngine(model, EngineConfig(**cfg, prefill_graphs=True))
+    eager._prefill_graphs.close()  # the engine's own holder (made with the pool) gives its scratch pages back
     eager._prefill_graphs = cuda_graphs.PrefillGraphs(eager.runner, eager.pool, capture=False)
     got, want = mixed_workload(graphed), mixed_workload(eager)
     assert graphed.stats().padded_prefill_steps == eager.stats().padded_prefill_steps >= 4

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from rlk3.engine import EngineConfig, RolloutEngine, SamplingParams
+from rlk3.engine import EngineConfig, RequestStatus, RolloutEngine, SamplingParams
 from rlk3.engine.prefix_cache import ROOT, block_hash
 from tests.rlk3.engine._oracle import assert_greedy_matches_full_forward, mixed_workload, prompt
 
@@ -417,9 +417,9 @@ def test_a_checkpoint_without_room_ends_the_chunk_at_its_boundary(tiny, monkeypa
 
 
 def test_a_step_that_raises_leaks_no_reserved_checkpoint_slot(tiny, monkeypatch):
-    """A step whose forward raises after the scheduler reserved a checkpoint slot inside its chunk: the next step
-    gives the slot back (or an abort does), and the request then generates what an engine that never failed
-    generates."""
+    """A step whose forward raises after the scheduler reserved a checkpoint slot inside its chunk: the request is
+    recomputed (its cache, the slot with it, given back), or an abort gives everything back, and the request then
+    generates what an engine that never failed generates."""
     cfg = EngineConfig(memory_bytes=16 * 2**20, max_tokens_per_step=256, prefix_block_tokens=64,
                        checkpoint_interval=64, backend="torch")
     engine = RolloutEngine(tiny, cfg)
@@ -434,8 +434,9 @@ def test_a_step_that_raises_leaks_no_reserved_checkpoint_slot(tiny, monkeypatch)
     monkeypatch.setattr(engine, "_forward", fails)
     with pytest.raises(RuntimeError, match="device lost"):
         engine.step()
-    assert engine._get(rid).split_slot is not None
-    engine.check_invariants()  # the reserved slot is held, and counted
+    req = engine._get(rid)
+    assert req.split_slot is None and req.status == RequestStatus.WAITING and engine.stats().preemptions == 1
+    engine.check_invariants()  # the reserved slot went back with the rest of the request's cache
     other = engine.add_request(prompt(200, seed=6), GREEDY)  # the same failure, then an abort: its pages all go back
     monkeypatch.setattr(engine, "_forward", fails)
     with pytest.raises(RuntimeError, match="device lost"):
