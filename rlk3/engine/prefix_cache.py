@@ -304,7 +304,8 @@ class PrefixCache:
         self.spilled_bytes -= entry.spilled_bytes
         parts = [t for t in (entry.spilled_pages, entry.spilled_checkpoint) if t is not None]
         pages = self._alloc(sum(t.shape[0] for t in parts), protect)
-        if pages is None:
+        if pages is None:  # back in the store, which the search for pages may have filled with what it evicted
+            self._spill_room(entry.spilled_bytes)
             self.spilled[entry.key] = entry
             self.spilled_bytes += entry.spilled_bytes
             return False
@@ -362,11 +363,7 @@ class PrefixCache:
             ckpt = self.pool.read(entry.checkpoint) if entry.checkpoint else None
             size = sum(t.numel() for t in (pages, ckpt) if t is not None)
             if 0 < size <= self.spill_limit:
-                while self.spilled_bytes + size > self.spill_limit and self.spilled:
-                    _, old = self.spilled.popitem(last=False)
-                    self.spilled_bytes -= old.spilled_bytes
-                    old.spilled_pages = old.spilled_checkpoint = None
-                    self._unindex(old)
+                self._spill_room(size)
                 entry.spilled_pages, entry.spilled_checkpoint = pages, ckpt
                 self.spilled[entry.key] = entry
                 self.spilled_bytes += size
@@ -375,6 +372,14 @@ class PrefixCache:
             self._unindex(entry)
         entry.pages = entry.checkpoint = None
         self.pool.decref(owned)
+
+    def _spill_room(self, size: int) -> None:
+        """Drops the least recently spilled entries until ``size`` more bytes fit under ``spill_bytes``."""
+        while self.spilled_bytes + size > self.spill_limit and self.spilled:
+            _, old = self.spilled.popitem(last=False)
+            self.spilled_bytes -= old.spilled_bytes
+            old.spilled_pages = old.spilled_checkpoint = None
+            self._unindex(old)
 
     def check(self) -> None:
         """Raises ``AssertionError`` when the child index disagrees with the stores: every cached full block is

@@ -57,12 +57,18 @@ def counter_key(seed: int) -> int:
     return seed - 2**64 if seed >= 2**63 else seed
 
 
+_BELOW_ONE = 1.0 - 2.0**-24  # the largest float32 under 1
+
+
 def counter_uniform(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """``keys [n, 2]`` int64 (seed, position) → uniforms ``[n, vocab]`` in (0, 1), float32 (24 random bits each)."""
     row = _mix(keys[:, 0] + _mix(keys[:, 1] * _GOLDEN))  # one stream per (seed, position)
     v = torch.arange(1, vocab + 1, dtype=torch.long, device=keys.device) * _GOLDEN
     bits = _shr(_mix(row[:, None] + v[None, :]), 40)  # the top 24 bits
-    return (bits.float() + 0.5) * (1.0 / (1 << 24))
+    # (bits + 0.5) / 2^24 lies in (0, 1), but float32 rounds its top value, 1 - 2^-25, to 1.0, whose Gumbel noise
+    # is +inf: that entry would win every draw it is in (one in 2^24 per entry, ~1% of K3's rows), outside top-k /
+    # top-p too (-inf + inf is NaN, which argmax takes). The top cell is held just under 1 instead.
+    return ((bits.float() + 0.5) * (1.0 / (1 << 24))).clamp_(max=_BELOW_ONE)
 
 
 def restrict(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

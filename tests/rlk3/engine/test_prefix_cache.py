@@ -192,6 +192,43 @@ def test_a_generation_end_tail_never_evicts_while_a_prompt_end_tail_may():
     assert pool.num_free == pool.num_pages and not cache.tails
 
 
+def test_a_restore_that_finds_no_pages_keeps_the_spill_store_within_its_bytes():
+    """A spilled entry leaves the store while pages are sought for it; the search evicts device entries, which spill
+    into the room it left. When no pages are found it goes back, and the store stays within ``spill_bytes`` (it went
+    back unchecked, over the limit by the entries spilled meanwhile)."""
+    import torch
+
+    from rlk3.engine.pool import PagedPool, PoolLayout
+    from rlk3.engine.prefix_cache import PrefixCache
+    from rlk3.model import K3Config
+
+    lay = PoolLayout.for_model(K3Config(), torch.float32, block_size=16, prefix_block_tokens=16)
+    pps = lay.pages_per_slot
+    pool = PagedPool(lay, budget=(3 * pps + 8) * lay.page_bytes, device="cpu")
+    limit = (1 + pps) * lay.page_bytes  # exactly one block with its checkpoint
+    cache = PrefixCache(pool, 16, spill_bytes=limit)
+
+    def block(key):
+        page = pool.alloc(1)
+        cache.insert_block(key, 1, page, ROOT)
+        pool.decref(page)
+
+    block(b"E")
+    slot = pool.alloc(pps)
+    assert cache.add_checkpoint(b"E", slot)
+    pool.decref(slot)
+    assert cache.evict_one() and cache.spilled_bytes == limit  # E spills: its block and its checkpoint
+    block(b"X")
+    block(b"Y")
+    held = pool.alloc(pool.num_free)  # every other page held by requests
+    assert not cache.restore([cache.spilled[b"E"]])  # X and Y evicted (and spilled) for nothing
+    assert cache.spilled_bytes <= limit and list(cache.spilled) == [b"E"]  # the entry asked for is the one kept
+    cache.check()
+    pool.decref(held)
+    cache.clear()
+    assert pool.num_free == pool.num_pages
+
+
 def _cache(drop_superseded: bool = True, branch: int | None = None, branch_first: bool = True):
     """A cache over a pool that holds exactly one request (a KDA slot and one MLA page per block, plus one for a
     branch) and two checkpoints: blocks 0, 1, 2 of one chain with a checkpoint after block 0 and one after block 2;

@@ -34,6 +34,21 @@ def test_uniforms_are_uniform_and_independent_across_positions_and_entries():
         assert abs(corr) < 5 / math.sqrt(a.numel()), corr
 
 
+def test_the_top_uniform_stays_under_one_and_its_entry_wins_no_draw_by_it():
+    """24 random bits b give (b + 0.5) / 2^24, whose top value float32 rounded to 1.0: Gumbel noise +inf, so that
+    entry won the draw whatever its probability, outside top-k / top-p too (-inf + inf = NaN, argmax's pick). Seed 0
+    at position 2,775 draws those bits for entry 502 of a 4,096-entry vocabulary (one entry in 2^24 does, per row:
+    ~1% of the rows of K3's 163,840-entry vocabulary)."""
+    u = counter_uniform(keys(0, [2775]), 4096)
+    assert u[0, 502] == 1.0 - 2.0**-24 and u.max() < 1  # the top cell, just under 1
+    logits = torch.zeros(1, 4096)
+    logits[0, 7], logits[0, 502] = 40.0, -40.0  # entry 7 has all the mass
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=1),
+                   SamplingParams(temperature=0.5, top_p=0.5)):
+        tokens, logprobs = sample(logits, [params], [None], keys=keys(0, [2775]))
+        assert tokens == [7] and logprobs[0] > -1e-6, (params, tokens, logprobs)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_counter_draws_follow_the_softmax(temperature):
     torch.manual_seed(0)
