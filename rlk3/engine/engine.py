@@ -28,12 +28,11 @@ import time
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from numbers import Integral
 
 import torch
 
 from rlk3.engine import runner_cpu
-from rlk3.engine.config import EngineConfig, EngineConfigError, SamplingParams
+from rlk3.engine.config import EngineConfig, EngineConfigError, SamplingParams, _is_int
 from rlk3.engine.cuda_graphs import DecodeGraphs, PrefillGraphs, prefill_bucket
 from rlk3.engine.pool import PagedPool, PoolError, PoolLayout, budget_bytes
 from rlk3.engine.prefix_cache import PrefixCache
@@ -160,7 +159,7 @@ def _token_list(ids, name: str) -> list[int]:
     if set(map(type, out)) <= {int}:  # the common case in one C-level pass (an agent re-sends 100K-token lists)
         return out
     for t in out:
-        if isinstance(t, bool) or not isinstance(t, Integral):
+        if not _is_int(t):
             raise ValueError(f"{name} must contain ints, got {t!r} ({type(t).__name__})")
     return [int(t) for t in out]  # NumPy's integers, say: stored as Python ints
 
@@ -177,7 +176,7 @@ def _turn_ends(turn_ends, new: int) -> list[int]:
                          f"{type(turn_ends).__name__}")
     positions = list(turn_ends)
     for pos in positions:
-        if isinstance(pos, bool) or not isinstance(pos, Integral) or not 1 <= pos <= new:
+        if not _is_int(pos) or not 1 <= pos <= new:
             raise ValueError(f"turn_ends positions must be ints in [1, {new}], got {pos!r}")
     return [int(pos) for pos in positions]
 

@@ -346,10 +346,16 @@ class Scheduler:
         key = tuple(req.tokens[: req.fork_at + 1])  # tokens only grow: the prompt it was registered under
         if self.leaders.get(key) is req:
             del self.leaders[key]
-        for f in req.followers:
-            if f.leader is req:
+        self._release_followers(req)
+        req.fork_at = 0
+
+    @staticmethod
+    def _release_followers(lead: Request) -> None:
+        """Those still waiting for ``lead`` are admitted as usual (or follow another leader)."""
+        for f in lead.followers:
+            if f.leader is lead:
                 f.leader = None
-        req.followers, req.fork_at = [], 0
+        lead.followers = []
 
     @staticmethod
     def _detach(req: Request) -> None:
@@ -372,10 +378,7 @@ class Scheduler:
                         f.leader = None
                         self._fork(lead, f, planned)
             if at_fork or not self._can_lead(lead):
-                for f in lead.followers:
-                    if f.leader is lead:
-                        f.leader = None
-                lead.followers = []
+                self._release_followers(lead)
                 del self.leaders[key]
 
     def _fork(self, lead: Request, req: Request, planned: dict) -> None:
