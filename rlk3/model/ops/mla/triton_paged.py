@@ -5,7 +5,9 @@ equal (``tests/rlk3/model/ops/test_mla_paged.py``, marked ``gpu``).
 
 Grid ``(B, cdiv(H, BLOCK_H), splits)``: a program owns one sequence, a tile of heads and a share of the sequence's
 tokens (flash-decoding: at small batch one program per sequence would leave most SMs idle), walks its share in
-tiles of ``BLOCK_T`` (a divisor of the page size, so a tile never straddles a page), and keeps a FlashAttention
+tiles of ``BLOCK_T`` (a divisor of the page size where it can be, so a tile lies in one page and reads one table
+entry; the engine allows pages of 1-8 tokens too, whose tiles span several pages and read a table entry per row),
+and keeps a FlashAttention
 online softmax over the latent; the shares are merged by their log-sum-exps. All heads of a tile share each
 loaded latent tile (MLA's keys and values are one shared head), which is what makes absorbed decode
 bandwidth-efficient. Scores and the accumulator are fp32; the
@@ -32,7 +34,7 @@ def _paged_latent_attention_kernel(
     scale,
     H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
-    SPLITS: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr,
+    SPLITS: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr, WHOLE_PAGES: tl.constexpr,
 ):
     b = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -56,7 +58,7 @@ def _paged_latent_attention_kernel(
             mask=mask_h[:, None] & mask_r[None, :], other=0.0,
         ).to(dot_dtype)
     seq_len = tl.load(SEQ_LENS + b).to(tl.int32)
-    # this program's share of the sequence: whole BLOCK_T tiles, so a tile never straddles a page
+    # this program's share of the sequence: whole BLOCK_T tiles (with WHOLE_PAGES a tile never straddles a page)
     per_split = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_T) * BLOCK_T
     lo = split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
@@ -67,18 +69,22 @@ def _paged_latent_attention_kernel(
     for start in range(lo, hi, BLOCK_T):
         offs_t = start + tl.arange(0, BLOCK_T)
         mask_t = offs_t < hi
-        # BLOCK_T divides PAGE, so the whole tile lies in one page
-        page = tl.load(TABLES + b * stride_tb + start // PAGE).to(tl.int64)
         in_page = offs_t % PAGE
+        if WHOLE_PAGES:  # BLOCK_T divides PAGE, so the whole tile lies in one page: one table entry
+            page = tl.load(TABLES + b * stride_tb + start // PAGE).to(tl.int64)
+            lat_rows = page * stride_lp + in_page * stride_lt
+            rope_rows = page * stride_pp + in_page * stride_pt
+        else:  # pages smaller than a tile (tl.dot needs 16 rows): each row reads its own page from the table
+            page = tl.load(TABLES + b * stride_tb + offs_t // PAGE, mask=mask_t, other=0).to(tl.int64)
+            lat_rows = page * stride_lp + in_page * stride_lt
+            rope_rows = page * stride_pp + in_page * stride_pt
         lat = tl.load(
-            LAT + page * stride_lp + in_page[:, None] * stride_lt + offs_l[None, :],
-            mask=mask_t[:, None] & mask_l[None, :], other=0.0,
+            LAT + lat_rows[:, None] + offs_l[None, :], mask=mask_t[:, None] & mask_l[None, :], other=0.0,
         ).to(dot_dtype)  # [BLOCK_T, BLOCK_L]
         s = tl.dot(q_lat, tl.trans(lat), input_precision=PRECISION)  # [BLOCK_H, BLOCK_T] fp32
         if HAS_ROPE:
             rope = tl.load(
-                ROPE + page * stride_pp + in_page[:, None] * stride_pt + offs_r[None, :],
-                mask=mask_t[:, None] & mask_r[None, :], other=0.0,
+                ROPE + rope_rows[:, None] + offs_r[None, :], mask=mask_t[:, None] & mask_r[None, :], other=0.0,
             ).to(dot_dtype)
             s += tl.dot(q_rope, tl.trans(rope), input_precision=PRECISION)
         s = tl.where(mask_t[None, :], s * scale, float("-inf"))
@@ -122,15 +128,18 @@ def paged_latent_attention_triton(q_lat, q_rope, latent_pages, rope_pages, block
     half = latent_pages.dtype in (torch.float16, torch.bfloat16)
     q_lat = q_lat.contiguous()
     q_rope = q_rope.contiguous()
+    # the kernel reads a table row and the lengths without their inner strides (a no-op for the engine's own)
+    block_tables = block_tables.contiguous()
+    seq_lens = seq_lens.contiguous()
     block_l = max(16, triton.next_power_of_2(L))
     block_r = max(16, triton.next_power_of_2(max(R, 1)))
     block_h = 16  # tl.dot needs >= 16 rows; heads past H are masked
     # a latent tile is BLOCK_T x BLOCK_L in registers: keep it near 8K fp32 / 16K half elements
-    block_t = max(16, min(64, (16384 if half else 8192) // block_l, page))
-    while page % block_t:
+    # (a power of two, as block_l is), at least 16 rows for tl.dot, and a divisor of the page where one is: pages
+    # of 1-8 tokens (EngineConfig allows any power of two) take the per-row table reads instead of a refusal
+    block_t = max(16, min(64, (16384 if half else 8192) // block_l))
+    while block_t > 16 and page % block_t:
         block_t //= 2
-    if block_t < 16:
-        raise ValueError(f"paged_latent_attention_triton: the page size {page} must be a multiple of 16")
     head_tiles = triton.cdiv(H, block_h)
     splits = num_splits(B, head_tiles, block_tables.shape[1] * page, block_t)
     out = torch.empty(B, splits, H, L, dtype=torch.float32, device=q_lat.device)
@@ -148,7 +157,8 @@ def paged_latent_attention_triton(q_lat, q_rope, latent_pages, rope_pages, block
         lse.stride(0), lse.stride(1),
         scale,
         H=H, L=L, R=R, PAGE=page, BLOCK_H=block_h, BLOCK_L=block_l, BLOCK_R=block_r, BLOCK_T=block_t,
-        SPLITS=splits, HAS_ROPE=R > 0, PRECISION="tf32" if half else "ieee", num_warps=4,
+        SPLITS=splits, HAS_ROPE=R > 0, PRECISION="tf32" if half else "ieee", WHOLE_PAGES=page % block_t == 0,
+        num_warps=4,
     )
     if splits == 1:
         return out[:, 0]

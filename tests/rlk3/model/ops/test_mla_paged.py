@@ -86,3 +86,54 @@ def test_triton_paged_decode_equals_torch_reference(dtype, L, R, H, bs, B):
     ref = paged_mla_decode(**c, scale=0.1, backend="torch")
     got = paged_mla_decode(**c, scale=0.1, backend="triton")
     assert rel_err(got.float(), ref.float()) <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def _small_pages(c, bs):
+    """``c`` (16-token pages, sequences of up to 68 tokens) on pages of ``bs`` tokens: page p's token j is page
+    ``p · 16 / bs + j // bs``'s token ``j % bs`` (the same memory, the page axis still strided)."""
+    split = c["latent_pages"].shape[1] // bs
+    tables = (c["block_tables"][:, :, None] * split + torch.arange(split, device=c["block_tables"].device)).flatten(1)
+    return {**c, "latent_pages": c["latent_pages"].view(-1, bs, c["latent_pages"].shape[-1]),
+            "rope_pages": c["rope_pages"].view(-1, bs, c["rope_pages"].shape[-1]), "block_tables": tables}
+
+
+def test_small_pages_hold_the_same_cache():
+    """(The case the GPU test below runs the kernel on: the re-paged cache is the same cache.)"""
+    c = _case(B=9, bs=16, P=65)
+    want = paged_mla_decode(**c, scale=0.2)
+    for bs in (1, 4, 8):
+        small = _small_pages(c, bs)
+        assert small["latent_pages"].shape[1] == bs and small["block_tables"].shape[1] > c["block_tables"].shape[1]
+        assert torch.equal(paged_mla_decode(**small, scale=0.2), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bs", [1, 4, 8])
+def test_triton_paged_decode_takes_pages_under_16_tokens(dtype, bs):
+    """EngineConfig takes any power-of-two ``block_size`` (the CPU stress runs 4-token pages), and the auto one is
+    8 when ``prefix_block_tokens`` is 24, say; the launcher refused pages under 16 tokens ("must be a multiple of
+    16", a tile of tl.dot's 16 rows lying in one page), so such an engine raised at its first decode step on CUDA.
+    A tile now spans several small pages, each row reading its own table entry; sequences of up to 68 tokens, so
+    that tiles and splits cross pages."""
+    c = _small_pages(_case(B=9, H=8, N=32, R=8, L=64, V=32, bs=16, P=65, dtype=dtype, device="cuda"), bs)
+    ref = paged_mla_decode(**c, scale=0.1, backend="torch")
+    got = paged_mla_decode(**c, scale=0.1, backend="triton")
+    assert rel_err(got.float(), ref.float()) <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_triton_paged_decode_reads_strided_tables_and_lengths():
+    """A block table or lengths that are views with an inner stride (every other column of a wider table, a column of
+    a [B, 2] tensor): the kernel read them as if dense, so it attended over the wrong pages and lengths."""
+    c = _case(B=9, H=8, N=32, R=8, L=64, V=32, bs=16, P=65, dtype=torch.float32, device="cuda")
+    ref = paged_mla_decode(**c, scale=0.1, backend="torch")
+    # the columns and lengths between are in range (page 0, one token): read as dense, wrong but no bad address
+    tables = torch.zeros(9, 2 * c["block_tables"].shape[1], dtype=torch.long, device="cuda")
+    tables[:, ::2] = c["block_tables"]
+    lens = torch.stack([c["seq_lens"], torch.ones_like(c["seq_lens"])], dim=1)
+    got = paged_mla_decode(**{**c, "block_tables": tables[:, ::2], "seq_lens": lens[:, 0]}, scale=0.1,
+                           backend="triton")
+    assert rel_err(got, ref) <= 1e-5
