@@ -42,7 +42,11 @@ class DecodeGraphs:
         dev, n = pool.device, max(self.sizes)
         long = dict(dtype=torch.long, device=dev)
         self.input_ids = torch.zeros(n, **long)
-        self.slot_pages = torch.tensor([scratch[: self.pages_per_slot]] * n, **long).reshape(n, self.pages_per_slot)
+        # the scratch slot's pages as a device row: a row that carries no sequence is reset from it by a device copy
+        # (``torch.tensor(pages, device=cuda)`` copies from pageable memory and waits for the GPU: with asynchronous
+        # decode, every step whose batch shrank stalled behind the step in flight)
+        self.scratch_row = torch.tensor(scratch[: self.pages_per_slot], **long)
+        self.slot_pages = self.scratch_row.repeat(n, 1)
         self.block_tables = torch.full((n, self.width), scratch[-1], **long)
         self.seq_lens = torch.ones(n, **long)
         self.write_pages = torch.full((n,), scratch[-1], **long)
@@ -79,7 +83,7 @@ class DecodeGraphs:
         if stop <= start:
             return
         self.input_ids[start:stop] = 0
-        self.slot_pages[start:stop] = torch.tensor(self.scratch[: self.pages_per_slot], device=self.pool.device)
+        self.slot_pages[start:stop] = self.scratch_row
         self.block_tables[start:stop] = self.scratch[-1]
         self.seq_lens[start:stop] = 1
         self.write_pages[start:stop] = self.scratch[-1]

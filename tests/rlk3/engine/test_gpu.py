@@ -341,3 +341,34 @@ def test_pages_under_16_tokens_decode_on_the_kernel_path(block_size):
     for a, b in zip(got, want, strict=True):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-3
+
+
+def test_a_shrinking_decode_batch_loads_into_the_graph_without_waiting_for_the_gpu():
+    """When a decode batch shrinks (a request finished), the rows it no longer fills go back to the scratch slot.
+    That reset built the slot's pages with ``torch.tensor(pages, device=cuda)``: a copy from pageable memory, which
+    waits for the GPU, so with asynchronous decode every such step stalled behind the step in flight. Loading a
+    batch must make no synchronising call (CUDA's sync debug mode raises on one), and still reset those rows."""
+    from rlk3.engine.runner import ForwardBatch
+
+    model = make_model("k3-tiny", torch.float32)
+    engine = RolloutEngine(model, EngineConfig(memory_bytes=2**28, cuda_graph_batch_sizes=[4], compile=False))
+    graphs, dev = engine._graphs, torch.device("cuda")
+    real = torch.tensor(engine.pool.alloc(engine.layout.pages_per_slot), device=dev)  # some pages not the scratch
+
+    def batch(n):
+        zeros = torch.zeros(n, dtype=torch.long, device=dev)
+        return ForwardBatch(input_ids=zeros, num_decode=n, prefill_starts=[], prefill_lens=[],
+                            slot_pages=real.repeat(n, 1), block_tables=zeros[:, None] + 1, seq_lens=zeros + 1,
+                            write_pages=zeros + 1, write_offsets=zeros, logit_rows=torch.arange(n, device=dev))
+
+    graphs.load(batch(3), 4)
+    small = batch(1)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graphs.load(small, 4)  # rows 1 and 2 go back to the scratch slot
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(graphs.slot_pages[0], real)
+    assert (graphs.slot_pages[1:] == graphs.scratch_row).all()
+    assert (graphs.write_pages[1:] == graphs.scratch[-1]).all()
