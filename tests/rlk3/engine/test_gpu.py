@@ -323,7 +323,6 @@ print(json.dumps(dict(kernels=stats.kernels, padded=stats.padded_prefill_steps, 
     assert out["tokens"] == out["ref"] and all(len(t) == 12 for t in out["tokens"])
 
 
-
 @pytest.mark.parametrize("block_size", [8, None], ids=["8-token-pages", "auto-8"])
 def test_pages_under_16_tokens_decode_on_the_kernel_path(block_size):
     """Pages of 8 tokens, set or auto (``prefix_block_tokens`` 24: its largest power-of-two divisor is 8): the Triton

@@ -7,11 +7,10 @@ Grid ``(B, cdiv(H, BLOCK_H), splits)``: a program owns one sequence, a tile of h
 tokens (flash-decoding: at small batch one program per sequence would leave most SMs idle), walks its share in
 tiles of ``BLOCK_T`` (a divisor of the page size where it can be, so a tile lies in one page and reads one table
 entry; the engine allows pages of 1-8 tokens too, whose tiles span several pages and read a table entry per row),
-and keeps a FlashAttention
-online softmax over the latent; the shares are merged by their log-sum-exps. All heads of a tile share each
-loaded latent tile (MLA's keys and values are one shared head), which is what makes absorbed decode
-bandwidth-efficient. Scores and the accumulator are fp32; the
-cache may be bf16/fp16 (tensor-core dots in that dtype, as FlashAttention does) or fp32 (exact fp32 dots).
+and keeps a FlashAttention online softmax over the latent; the shares are merged by their log-sum-exps. All heads
+of a tile share each loaded latent tile (MLA's keys and values are one shared head), which is what makes absorbed
+decode bandwidth-efficient. Scores and the accumulator are fp32; the cache may be bf16/fp16 (tensor-core dots in
+that dtype, as FlashAttention does) or fp32 (exact fp32 dots).
 """
 
 from __future__ import annotations
@@ -72,12 +71,10 @@ def _paged_latent_attention_kernel(
         in_page = offs_t % PAGE
         if WHOLE_PAGES:  # BLOCK_T divides PAGE, so the whole tile lies in one page: one table entry
             page = tl.load(TABLES + b * stride_tb + start // PAGE).to(tl.int64)
-            lat_rows = page * stride_lp + in_page * stride_lt
-            rope_rows = page * stride_pp + in_page * stride_pt
         else:  # pages smaller than a tile (tl.dot needs 16 rows): each row reads its own page from the table
             page = tl.load(TABLES + b * stride_tb + offs_t // PAGE, mask=mask_t, other=0).to(tl.int64)
-            lat_rows = page * stride_lp + in_page * stride_lt
-            rope_rows = page * stride_pp + in_page * stride_pt
+        lat_rows = page * stride_lp + in_page * stride_lt  # [BLOCK_T] (the scalar page broadcasts)
+        rope_rows = page * stride_pp + in_page * stride_pt
         lat = tl.load(
             LAT + lat_rows[:, None] + offs_l[None, :], mask=mask_t[:, None] & mask_l[None, :], other=0.0,
         ).to(dot_dtype)  # [BLOCK_T, BLOCK_L]
