@@ -6,6 +6,7 @@ bench/engine_gpu_numerics.py (docs/BENCHMARKS.md, "GPU tests")."""
 
 import gc
 import json
+import math
 import os
 import subprocess
 import sys
@@ -323,23 +324,26 @@ print(json.dumps(dict(kernels=stats.kernels, padded=stats.padded_prefill_steps, 
     assert out["tokens"] == out["ref"] and all(len(t) == 12 for t in out["tokens"])
 
 
-@pytest.mark.parametrize("block_size", [8, None], ids=["8-token-pages", "auto-8"])
-def test_pages_under_16_tokens_decode_on_the_kernel_path(block_size):
+def test_pages_under_16_tokens_decode_on_the_kernel_path():
     """Pages of 8 tokens, set or auto (``prefix_block_tokens`` 24: its largest power-of-two divisor is 8): the Triton
     MLA decode refused pages under 16 tokens, so the first decode step raised (in the graph capture, with the
-    defaults). Graphs, compiled blocks and all, against the torch path: the same greedy tokens, log-probs within
-    the kernel path's TF32 noise (1e-3, the first test)."""
+    defaults). Now the auto layout generates through the graphs, and 8-token pages compute what 16-token pages do
+    on the same kernel path (graphs, compiled blocks and all). The torch path is no reference for greedy tokens
+    here: FLA's TF32 dots flip this random model's near-tied tokens between runs (index 18 of one sequence, in one
+    of two H100 runs). The kernel itself is held to 1e-5 in true fp32 on such pages (test_mla_paged.py)."""
     model = make_model("k3-tiny", torch.float32)
     prompts = make_prompts(model.config.vocab_size, [5, 30, 70])
-    cfg = dict(memory_bytes=2**28, block_size=block_size, prefix_block_tokens=24, checkpoint_interval=48)
     sampling = SamplingParams(max_tokens=24, temperature=0)
-    engine = RolloutEngine(model, EngineConfig(**cfg))
-    assert engine.layout.block_size == 8 and engine._graphs is not None
-    got = engine.generate(prompts, sampling)
-    want = RolloutEngine(model, EngineConfig(**cfg, backend="torch")).generate(prompts, sampling)
-    for a, b in zip(got, want, strict=True):
+    auto = RolloutEngine(model, EngineConfig(memory_bytes=2**28, prefix_block_tokens=24, checkpoint_interval=48))
+    assert auto.layout.block_size == 8 and auto._graphs is not None
+    out = auto.generate(prompts, sampling)
+    assert all(len(r.token_ids) == 24 and all(math.isfinite(x) for x in r.logprobs) for r in out)
+    cfg = dict(memory_bytes=2**28, prefix_block_tokens=48, checkpoint_interval=48)
+    small, large = (RolloutEngine(model, EngineConfig(**cfg, block_size=b)) for b in (8, 16))
+    assert (small.layout.block_size, large.layout.block_size) == (8, 16)
+    for a, b in zip(small.generate(prompts, sampling), large.generate(prompts, sampling), strict=True):
         assert a.token_ids == b.token_ids
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-3
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-4
 
 
 def test_a_shrinking_decode_batch_loads_into_the_graph_without_waiting_for_the_gpu():
