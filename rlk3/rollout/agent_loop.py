@@ -405,7 +405,7 @@ class AgentLoop:
                 return
             cont = h.continuation(traj.messages, before + 1)
             traj.append(cont, generated=False)
-            st["unsent"] = len(cont)
+            st["unsent"] += len(cont)  # after the end-of-turn token ``_close_turn`` may have added
             if cfg.snapshot_turns and traj.sandbox_id and self.sandboxes is not None:
                 with contextlib.suppress(Exception):  # no snapshot: recovery falls back to a clean failure
                     st["snapshot"] = await self.sandboxes.snapshot(traj.sandbox_id)
@@ -418,6 +418,9 @@ class AgentLoop:
         end = tok.convert_tokens_to_ids("<|im_end|>")
         if not ids or ids[-1] != end:
             traj.append([end], generated=False)
+            # the engine's request has not seen it: the next turn's extend sends it with the continuation, or the
+            # engine would sample that turn (and record its behaviour log-probs) over a stream without it
+            st["unsent"] += 1
         return tok.decode(ids, skip_special_tokens=False)
 
     async def _generate(self, traj: Trajectory, st: dict, tok, h: Harness, cap: int):

@@ -10,6 +10,7 @@ import torch
 
 from envs.tasks import get_tasks
 from harness import Harness
+from harness.harness import Parsed
 from harness.tokenizer import default_tokenizer
 from rlk3.engine import EngineConfig, RolloutEngine
 from rlk3.model import K3Config, K3ForCausalLM
@@ -142,6 +143,28 @@ def test_a_restarted_engine_recomputes_the_open_turn_greedy(model, tok):
     done = {t.uid: t for t in first if t.status != Status.PAUSED} | {t.uid: t for t in rest}
     for r in ref:
         assert done[r.uid].token_ids == r.token_ids
+
+
+def test_a_turn_cut_short_sends_its_end_token_to_the_engine(model, tok):
+    """A turn that stops at max_turn_tokens gets the template's end-of-turn token in the trajectory; the engine must
+    see it too, or every later turn is sampled over a different stream than the one the trainer recomputes (the
+    behaviour log-probs then differ from the full forward's by far more than the correction tolerates)."""
+    h = Harness("chat", tok)
+    # every turn a malformed call: the loop answers with the error as a tool turn and asks for the next turn
+    h.parse = lambda text: Parsed(text=text, content=text, reasoning=None, error="no such tool")
+    engine = RolloutEngine(model, EngineConfig(memory_bytes=64 << 20))
+    loop = AgentLoop(EngineFront(engine), {"general": h},
+                     config=LoopConfig(max_turn_tokens=8, max_turns=3, temperature=0.0))
+    task = get_tasks("general", "heldout", 1)[0]
+    traj = run(_episodes(loop, [task]))[0]
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert traj.metrics["loop"]["turns"] == 3 and traj.token_ids.count(end) >= 4  # system, user, 3 cut turns
+    ids = torch.tensor([traj.token_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0].float(), -1)
+    pos = [i for i, m in enumerate(traj.loss_mask) if m]
+    ref = [logp[i - 1, traj.token_ids[i]].item() for i in pos]
+    assert max(abs(a - b) for a, b in zip(ref, traj.behaviour_logprobs)) < 1e-4
 
 
 def test_a_tool_preset_without_sandboxes_is_refused(model, tok):
