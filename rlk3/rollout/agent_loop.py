@@ -316,6 +316,14 @@ class AgentLoop:
                 except Exception as e:  # resumable anyway: resume() finds it running
                     st["sandbox_pause_error"] = f"{type(e).__name__}: {e}"[:300]
             return traj
+        except BaseException:
+            # an engine step that failed, a sandbox that would not resume, a cancelled task: nobody else knows the
+            # request's id, so the engine would keep it (running to its end, or paused with its cache) for good,
+            # and a later episode of this uid would find the id taken
+            with contextlib.suppress(Exception):
+                await self.front.release(st.get("rid"))
+            st["rid"] = None
+            raise
         finally:
             self._active.pop(traj.uid, None)
         await self.front.release(st.get("rid"))
@@ -447,6 +455,7 @@ class AgentLoop:
             rid = f"{traj.uid}-{st['requests']}"
         ends = (len(new_ids),) if new_ids else ()
         self._active[traj.uid] = rid
+        st["rid"] = rid  # before the turn, which may raise with the request queued (``run`` aborts it then)
         t0 = time.perf_counter()
         try:
             res = await self.front.turn(rid, new_ids, sampling, turn_ends=ends, paused=lambda: self._paused(traj))

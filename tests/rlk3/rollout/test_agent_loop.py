@@ -167,6 +167,35 @@ def test_a_turn_cut_short_sends_its_end_token_to_the_engine(model, tok):
     assert max(abs(a - b) for a, b in zip(ref, traj.behaviour_logprobs)) < 1e-4
 
 
+def test_an_episode_that_raises_aborts_its_engine_request(model, tok):
+    """An episode that ends in an exception (here every engine step fails: the pool is released) must not leave its
+    request in the engine: nobody else knows its id, so it would stay for good (running to its end, or paused with
+    its cache), and the next episode of the same uid (an evaluation's, say) would find the id taken."""
+    loop = general_loop(model, tok, max_turn_tokens=8, temperature=0.0)
+    engine = loop.front.engine
+    tasks = get_tasks("general", "heldout", 2)
+
+    async def go():
+        engine.release_memory()
+        trajs = [loop.new_trajectory(t, effort="low", budget=None, uid=f"u{i}") for i, t in enumerate(tasks)]
+        failed = await asyncio.gather(*(loop.run(t, tr) for t, tr in zip(tasks, trajs)), return_exceptions=True)
+        leaked = list(engine.requests)
+        engine.reacquire_memory()
+        try:
+            again = await asyncio.gather(*(
+                loop.run(t, loop.new_trajectory(t, effort="low", budget=None, uid=f"u{i}"))
+                for i, t in enumerate(tasks)))
+        finally:
+            await loop.front.close()
+        return failed, leaked, again
+
+    failed, leaked, again = run(go())
+    assert all(isinstance(e, LoopError) and "reacquire_memory" in str(e) for e in failed)
+    assert leaked == []
+    assert all(t.status in (Status.FINISHED, Status.TRUNCATED) and t.num_generated for t in again)
+    assert not engine.requests
+
+
 def test_a_tool_preset_without_sandboxes_is_refused(model, tok):
     engine = RolloutEngine(model, EngineConfig(memory_bytes=16 << 20))
     loop = AgentLoop(EngineFront(engine), {"coding": Harness("tiny", tok)}, config=LoopConfig())
