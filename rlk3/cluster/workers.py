@@ -143,7 +143,16 @@ class RolloutWorker:
                            config=LoopConfig(temperature=0.0, max_turn_tokens=self.cfg.rollout.max_new_tokens,
                                              max_context_tokens=self.cfg.rollout.max_total_tokens,
                                              max_turns=self.cfg.harness.max_turns))  # the rollouts' own limits
-        res, _ = self.aio.run_until_complete(evaluate_slices(greedy, slices, n))
+        # colocated on a GPU the driver released the pool after the rollout (training's turn for the memory), and
+        # the engine refuses to step without it: take it back for the evaluation, and give it back afterwards
+        released = self.engine.released
+        if released:
+            self.engine.reacquire_memory()
+        try:
+            res, _ = self.aio.run_until_complete(evaluate_slices(greedy, slices, n))
+        finally:
+            if released:
+                self.engine.release_memory()
         return [r.to_dict() for r in res]
 
     def close(self) -> None:

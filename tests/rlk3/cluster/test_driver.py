@@ -176,6 +176,39 @@ def test_sync_sends_only_new_weights(monkeypatch):
     assert engine_version == 2
 
 
+def test_an_evaluation_between_iterations_takes_the_released_pool_back():
+    """Colocated on a GPU the driver releases the engine's pool after each rollout (training's turn for the memory)
+    and evaluates after the sync: the engine refuses to step without its pool, which failed every evaluation. The
+    worker takes the pool back for it and releases it again afterwards."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from harness.tokenizer import default_tokenizer
+    from rlk3.cluster.workers import RolloutWorker
+    from rlk3.engine import EngineConfig, RolloutEngine
+    from rlk3.model import K3Config, K3ForCausalLM
+    from rlk3.rollout.agent_loop import LoopConfig
+    from rlk3.rollout.env import RolloutEnv
+
+    tok = default_tokenizer()
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.preset("k3-tiny", vocab_size=len(tok))).eval()
+    worker = RolloutWorker.__new__(RolloutWorker)  # the parts evaluate() uses, without Ray or a config tree
+    worker.cfg = SimpleNamespace(rollout=SimpleNamespace(max_new_tokens=8, max_total_tokens=2048),
+                                 harness=SimpleNamespace(max_turns=None))
+    worker.engine = RolloutEngine(model, EngineConfig(memory_bytes=64 << 20))
+    worker.env = RolloutEnv(tok, domains=("general",)).__enter__()
+    worker.loop = worker.env.loop(worker.engine, LoopConfig())
+    worker.aio = asyncio.new_event_loop()
+    try:
+        worker.release_memory()  # as Cluster._rollout leaves it when release_pool
+        (res,) = worker.evaluate([("general", "low", None)], 2)
+        assert res["n"] == 2 and res["failed"] == 0 and res["mean_tokens"] > 0
+        assert worker.engine.released and not worker.engine.requests  # released again, nothing left behind
+    finally:
+        worker.close()
+
+
 def test_two_data_parallel_train_workers_train_like_one_and_resume(init_dir, tmp_path, ray_local):
     """cluster.train_workers=2: two train actors in one gloo process group (FSDP2), one iteration, against one
     train actor on the same rollouts; then a resume from the data-parallel checkpoint trains a second iteration."""
