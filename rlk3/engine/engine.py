@@ -96,8 +96,8 @@ class PrefixCacheStats:
     blocks: int  # cached hash blocks on the device (tails included)
     checkpoints: int  # of which carry a KDA checkpoint
     tails: int  # of which are tails: a partial block at a prompt's or a generation's end, with its checkpoint
-    lookups: int
-    hits: int  # admissions that resumed from a checkpoint
+    lookups: int  # admissions that looked the prefix up (one that waited for memory counts once)
+    hits: int  # of those, admissions that resumed from a checkpoint
     hit_tokens: int  # prompt tokens not recomputed thanks to the cache
     evictions: int
     spilled_blocks: int

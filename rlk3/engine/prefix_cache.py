@@ -270,8 +270,8 @@ class PrefixCache:
     # -- lookup
 
     def match(self, keys: list[bytes]) -> Match:
-        """Longest run of cached keys, then the latest checkpoint inside it (module docstring)."""
-        self.lookups += 1
+        """Longest run of cached keys, then the latest checkpoint inside it (module docstring). (The scheduler counts
+        ``lookups`` per admission: one waiting for memory matches again every step.)"""
         chain: list[Entry] = []
         for key in keys:
             entry = self._get(key)

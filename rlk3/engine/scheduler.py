@@ -173,11 +173,8 @@ class Scheduler:
                 protect.add(found[-1].key)
                 if self.prefix.restore(found, protect):
                     *entries, tail = found
-                    self.prefix.tail_hits += 1
             if tail is None and match.blocks and self.prefix.restore(match.entries, protect):
                 entries = match.entries
-            if entries or tail is not None:
-                self.prefix.hits += 1
         shared = [p for e in entries for p in e.pages]
         need = self.pool.layout.pages_per_slot
         partial = False
@@ -205,6 +202,11 @@ class Scheduler:
         req.num_registered = len(entries)
         req.num_cached_tokens = req.num_computed
         if self.prefix is not None:
+            # counted once the admission succeeds: a request waiting for memory looks the cache up again every step,
+            # and counting each try made hits / lookups a count of steps spent waiting, not of admissions
+            self.prefix.lookups += 1
+            self.prefix.hits += bool(entries or tail is not None)
+            self.prefix.tail_hits += tail is not None
             self.prefix.hit_tokens += req.num_computed
         req.cache_version = self.version
         req.priority = next(self._admissions)

@@ -43,6 +43,37 @@ def test_shared_prefix_prefills_only_new_tokens_plus_one_interval(tiny):
     assert stats.hits == 1 and stats.hit_tokens == 1024
 
 
+def test_a_request_waiting_for_memory_counts_one_lookup_and_one_hit(tiny):
+    """``hits`` counts admissions that resumed from a checkpoint. A request whose prefix matches but that waits for a
+    slot (a running request holds the pool) looks the cache up again every step; each try counted a lookup and a
+    hit, so a user reading hits / lookups to size the cache saw the steps spent waiting instead."""
+    cfg = EngineConfig(memory_bytes=4 * 2**20, checkpoint_interval=16384, checkpoint_prompt_end=False,
+                       checkpoint_generation_end=False)
+    engine = RolloutEngine(tiny, cfg)
+    p = prompt(600, seed=40)
+    rid = engine.add_request(p, SamplingParams(max_tokens=1, temperature=0), turn_ends=[512])  # a checkpoint at 512
+    while engine.has_unfinished():
+        engine.step()
+    engine.release(rid)
+    pool = engine.stats().pool
+    # a request that leaves fewer free pages than a KDA slot, the cached block kept
+    filler = (pool.free_pages - pool.pages_per_slot - 3) * pool.block_size - 8
+    big = engine.add_request(prompt(filler, seed=41), SamplingParams(max_tokens=6, temperature=0))
+    while not engine.result(big).token_ids:
+        engine.step()
+    waiter = engine.add_request([*p, 5], SamplingParams(max_tokens=2, temperature=0))
+    waited = 0
+    while engine.requests[waiter].status == RequestStatus.WAITING:
+        engine.step()
+        waited += 1
+    assert waited > 2  # it did wait for the filler's pages
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.result(waiter).num_cached_tokens == 512
+    stats = engine.stats().prefix_cache
+    assert (stats.lookups, stats.hits, stats.hit_tokens) == (3, 1, 512)
+
+
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_a_hit_never_restores_a_state_from_the_wrong_boundary(tiny, backend):
     """Checkpoints at 512, 1024 and 1536 (interval 512), and tails at the prompt's end (1700) and where the generation
