@@ -126,8 +126,9 @@ class EngineStats:
     prefill_padding_tokens: int  # padding tokens those steps computed and dropped
     prefill_capture_seconds: float  # of prefill_seconds: capturing the prefill graphs, once per shape
     split_checkpoints: int  # KDA checkpoints taken inside a prefill chunk (checkpoint_in_step), each a step saved
-    preemptions: int
-    dropped_caches: int  # paused / finished caches given up under memory pressure or by a weight update
+    preemptions: int  # running requests preempted for memory, by a recomputing weight update or a failed step
+    dropped_caches: int  # paused / finished caches given up under memory pressure or by a weight update (a
+    # release_memory, which drops every cache, counts in neither)
     shared_prefill_tokens: int  # prompt tokens requests did not compute: copied from a leader's (share_prefill)
     num_waiting: int
     num_running: int
@@ -636,11 +637,11 @@ class RolloutEngine:
         self._settle()
         if self.released:
             return
-        for req in list(self.requests.values()):
+        for req in list(self.requests.values()):  # not counted in stats(): its preemptions say memory pressure
             if req.status == RequestStatus.RUNNING:
-                self.scheduler.preempt(req)
+                self.scheduler.preempt(req, count=False)
             elif req.has_cache:
-                self.scheduler.drop_cache(req)
+                self.scheduler.drop_cache(req, count=False)
         if self.prefix is not None:
             self.prefix.clear()
         if self._prefill_graphs is not None:

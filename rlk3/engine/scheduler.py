@@ -94,16 +94,19 @@ class Scheduler:
         req.num_computed = req.num_registered = 0
         self.pool.decref(owned)
 
-    def preempt(self, req: Request) -> None:
+    def preempt(self, req: Request, count: bool = True) -> None:
+        """A running request loses its cache and waits to be recomputed. ``count``: whether ``stats()`` counts it
+        (not for ``release_memory``, which drops every cache by design: the counters would then say memory pressure
+        where there was none)."""
         self.running.remove(req)
         self.free_cache(req)
         self.enqueue(req)
-        self.preemptions += 1
+        self.preemptions += count
 
-    def drop_cache(self, req: Request) -> None:
+    def drop_cache(self, req: Request, count: bool = True) -> None:
         """A paused or finished request loses its cache; it is recomputed when it runs again."""
         self.free_cache(req)
-        self.dropped_caches += 1
+        self.dropped_caches += count
 
     def mark_finished(self, req: Request) -> None:
         req.finish_seq = next(self._finish_order)

@@ -109,3 +109,24 @@ def test_release_and_reacquire_memory_round_trip(tiny):
     res = _finish(engine, rid)
     assert res.token_ids == straight.token_ids
     engine.check_invariants()
+
+
+def test_release_memory_is_not_counted_as_memory_pressure(tiny):
+    """``preemptions`` and ``dropped_caches`` tell a user the pool is short (docs/engine.md: memory pressure, weight
+    update). ``release_memory`` drops every cache by design; counting those, a colocated run showed one dropped cache
+    per carried-over trajectory every iteration in a pool that was never short."""
+    engine = RolloutEngine(tiny, EngineConfig(memory_bytes=16 * 2**20))
+    running = engine.add_request(prompt(30, seed=100), SamplingParams(max_tokens=12, temperature=0))
+    paused = engine.add_request(prompt(40, seed=101), SamplingParams(max_tokens=12, temperature=0))
+    done = engine.add_request(prompt(20, seed=102), SamplingParams(max_tokens=2, temperature=0))
+    _finish(engine, done)
+    engine.pause(paused)
+    assert all(engine.requests[r].has_cache for r in (running, paused, done))
+    engine.release_memory()
+    engine.reacquire_memory()
+    stats = engine.stats()
+    assert (stats.preemptions, stats.dropped_caches) == (0, 0)
+    engine.resume(paused)
+    _finish(engine, running)
+    _finish(engine, paused)
+    assert (engine.stats().preemptions, engine.stats().dropped_caches) == (0, 0)
