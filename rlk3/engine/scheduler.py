@@ -203,7 +203,9 @@ class Scheduler:
         req.slot, req.pages = slot, shared + own
         req.num_computed = len(entries) * self.block_tokens + (tail.tail if tail is not None else 0)
         req.num_registered = len(entries)
-        req.num_cached_tokens = req.num_computed
+        # prompt tokens of this turn (GenerationResult): a request preempted mid-turn may resume from a checkpoint
+        # inside its own generated tokens, which were no prompt of it
+        req.num_cached_tokens = min(req.num_computed, req.turn_start)
         if self.prefix is not None:
             # counted once the admission succeeds: a request waiting for memory looks the cache up again every step,
             # and counting each try made hits / lookups a count of steps spent waiting, not of admissions

@@ -66,6 +66,32 @@ def test_preemption_under_memory_pressure_recomputes_and_gives_the_same_tokens(t
     assert engine.stats().pool.free_pages == engine.stats().pool.total_pages
 
 
+def test_a_request_recomputed_mid_turn_counts_only_its_prompt_as_cached(tiny, monkeypatch):
+    """``num_cached_tokens`` counts prompt tokens of the turn that were not computed for it. A request preempted
+    mid-turn (here by a step that raised) resumes from the prefix cache at a checkpoint inside its own generated
+    tokens: it reported 512 cached tokens for a 100-token prompt."""
+    engine = RolloutEngine(tiny, EngineConfig(memory_bytes=32 * 2**20, checkpoint_interval=512))
+    p = prompt(100, seed=80)
+    rid = engine.add_request(p, SamplingParams(max_tokens=440, temperature=0))
+    while len(engine.result(rid).token_ids) < 430:  # past the checkpoint at 512
+        engine.step()
+
+    def raises(*args, **kwargs):
+        monkeypatch.undo()
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(engine.runner, "forward", raises)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.step()
+    assert engine.stats().preemptions == 1
+    while engine.has_unfinished():
+        engine.step()
+    res = engine.result(rid)
+    assert engine.stats().prefix_cache.hit_tokens == 512  # it did resume inside its generation
+    assert res.num_cached_tokens == len(p) == len(res.prompt_token_ids)
+    assert_greedy_matches_full_forward(tiny, p, res.token_ids, res.logprobs)
+
+
 def test_paused_caches_are_dropped_only_as_a_last_resort_and_recomputed(tiny):
     probe = RolloutEngine(tiny, EngineConfig(memory_bytes=8 * 2**20))
     page, slot = probe.layout.page_bytes, probe.layout.pages_per_slot
