@@ -63,6 +63,10 @@ PACKED_PREFILL_MAX = {"cpu": 1 << 16, "cuda": 1 << 24}
 # prompts is two masked attentions per MLA layer, not 128). On CPU the per-sequence overhead is small and pairs of
 # sequences gain nothing measurable; all-or-none keeps its numerics (and the learning tests' rollouts) as they were.
 PACKED_PREFILL_RUNS = {"cpu": False, "cuda": True}
+# Tokens before a stop check's window decoded with it as context, then cut off (``_turn_tail_text``): a first piece's
+# leading space and a character begun before the window depend on them; vLLM's incremental detokenizer starts from
+# the prompt's last 5 tokens (its first prefix offset) for the same reason.
+STOP_CONTEXT_TOKENS = 4
 
 
 class EngineError(RuntimeError):
@@ -1245,11 +1249,29 @@ class RolloutEngine:
         if token in p.stop_token_ids:
             return FinishReason.STOP
         if p.stop:
-            # the stop string must appear in this turn's output; a window of recent tokens suffices, each token
-            # being at least one byte of text (sliced from its start: copying the whole turn first made a long
-            # generation's stop checks quadratic)
-            window = req.tokens[max(req.turn_start, len(req.tokens) - (4 * max(len(s) for s in p.stop) + 8)) :]
-            text = self.tokenizer.decode(window)
+            text = self._turn_tail_text(req, max(len(s) for s in p.stop))
             if any(s in text for s in p.stop):
                 return FinishReason.STOP
         return FinishReason.LENGTH if self._at_length(req) else None
+
+    def _turn_tail_text(self, req: Request, longest: int) -> str:
+        """The text this turn's last tokens add, enough to hold a stop string of ``longest`` characters completed by
+        the last token: a window of the turn's tokens (each at least one byte of text, so ``4 * longest`` of them
+        hold any such string; sliced from its start, never the whole turn: that made long generations' stop checks
+        quadratic), decoded after ``STOP_CONTEXT_TOKENS`` tokens before it — the prompt's or the extension's at a
+        turn's start — and only what the window adds kept. Decoded alone, a window loses what depends on the tokens
+        before it, as vLLM's incremental detokenizer knows (its prefix offset): a SentencePiece / Metaspace decoder
+        drops the leading space of the first piece it is given (" Observation" as a turn's first token read
+        "Observation"), and a first token that completes a multi-byte character begun before it reads U+FFFD."""
+        end = len(req.tokens)
+        start = max(req.turn_start, end - (4 * longest + 8))
+        context = max(0, start - STOP_CONTEXT_TOKENS)
+        head = self.tokenizer.decode(req.tokens[context:start]) if context < start else ""
+        text = self.tokenizer.decode(req.tokens[context:end])
+        # what the window adds is the text past the context's. Where the context ends inside a character its text
+        # ends in U+FFFD (one per byte with byte fallback) that the whole decode replaces by the character: the
+        # common prefix then leaves that character to the window, never a character of the window to the context
+        keep = len(head)
+        if not text.startswith(head):
+            keep = next((i for i, (a, b) in enumerate(zip(head, text)) if a != b), min(len(head), len(text)))
+        return text[keep:]

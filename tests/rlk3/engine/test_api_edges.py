@@ -93,10 +93,12 @@ def test_a_leader_extended_after_losing_its_cache_hands_its_follower_the_right_p
 class RaisingTokenizer:
     """A tokenizer whose decode raises on ids past its own vocabulary (sentencepiece does), as when the model's
     embedding is padded beyond the tokenizer's: here from a turn's third token on, which a decode step draws (with
-    asynchronous decode, a step launched ahead of its read-back)."""
+    asynchronous decode, a step launched ahead of its read-back). A stop check decodes the turn's tokens after the
+    prompt's last ``STOP_CONTEXT_TOKENS`` (engine._turn_tail_text): the third token's check is the first to decode
+    that many and three more."""
 
     def decode(self, ids):
-        if len(ids) >= 3:
+        if len(ids) >= engine_module.STOP_CONTEXT_TOKENS + 3:
             raise IndexError(f"piece id {ids[-1]} is out of range")
         return "".join(map(chr, ids))
 

@@ -154,7 +154,9 @@ def test_stop_tokens_and_stop_strings(tiny):
     res = engine.generate([p], SamplingParams(max_tokens=30, temperature=0, stop=[target]))[0]
     assert res.finish_reason == FinishReason.STOP and res.token_ids == free.token_ids[:end]
 
-    class Recording(Letters):  # every stop check decodes a bounded window of this turn's tokens, never the prompt
+    # every stop check decodes a bounded window of this turn's tokens after 4 tokens of context (at the turn's start
+    # the prompt's last 4), twice: the context alone, then with the window (engine._turn_tail_text)
+    class Recording(Letters):
         windows: list[list[int]] = []
 
         def decode(self, ids):
@@ -165,9 +167,11 @@ def test_stop_tokens_and_stop_strings(tiny):
     engine = RolloutEngine(tiny, EngineConfig(memory_bytes=16 * 2**20), tokenizer=rec)
     res = engine.generate([p], SamplingParams(max_tokens=30, temperature=0, stop=["0"]))[0]  # never in the text
     assert res.finish_reason == FinishReason.LENGTH and res.token_ids == free.token_ids
-    assert len(rec.windows) == 30
-    for n, window in enumerate(rec.windows, 1):
-        assert window == free.token_ids[max(0, n - (4 * 1 + 8)) : n]
+    assert len(rec.windows) == 2 * 30
+    full = p + free.token_ids
+    for n in range(1, 31):
+        start = len(p) + max(0, n - (4 * 1 + 8))
+        assert rec.windows[2 * n - 2 : 2 * n] == [full[start - 4 : start], full[start - 4 : len(p) + n]]
 
 
 @pytest.mark.parametrize("sampler", ["generator", "counter"])  # sampling.py: both keep these guarantees
@@ -214,3 +218,129 @@ def test_one_token_prefill_steps_beside_decodes(tiny):
         assert res.token_ids == hf_greedy(tiny, p, len(res.token_ids))
         ref = full_forward_logprobs(tiny, p, res.token_ids)
         assert max(abs(x - y) for x, y in zip(res.logprobs, ref)) <= 1e-5
+
+
+# -- stop strings against real tokenizers (built here from a few strings: no model hub)
+
+_CORPUS = ["Question: what is 6 times 7? Answer: 42. Observation: the tool said 42.",
+           "Thought: call the tool. Observation: done. Final answer: 42 €uro, naïve café 日本語."] * 8
+
+
+def _metaspace_tokenizer():
+    """A SentencePiece-style tokenizer (Llama's: BPE over Metaspace, a word's leading space is its first piece's
+    "▁", which the decoder drops at the start of whatever it decodes), wrapped as the HF tokenizer a caller would
+    pass. Trained to 120 pieces, " Observation:" is one token, "▁Observation:"."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator(_CORPUS, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>"],
+                                                         show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def _byte_level_tokenizer():
+    """A byte-level BPE tokenizer (GPT-2 style, as harness/tokenizer.py builds rlk3's): a multi-byte character may
+    span several tokens, and decoding part of it gives U+FFFD."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(_CORPUS, trainers.BpeTrainer(vocab_size=300, show_progress=False,
+                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tok
+
+
+def _scripted(monkeypatch, sequences: dict[int, list[int]]):
+    """Makes every draw return the token at its position of ``sequences[seed]`` (the whole sequence, prompt
+    included): the counter sampler's keys carry (seed, position). The model still runs; only the draw is scripted,
+    so a test can make a request generate exactly the tokens a tokenizer gives for a chosen text."""
+    import rlk3.engine.engine as engine_module
+    from rlk3.engine.sampling import counter_key
+
+    by_key = {counter_key(seed): seq for seed, seq in sequences.items()}
+
+    def draws(keys):
+        return [by_key[int(seed)][int(pos)] for seed, pos in keys.tolist()]
+
+    def sample(logits, params, generators, keys=None, cpu_kernels=False):
+        return draws(keys), [0.0] * len(params)
+
+    def sample_tensors(logits, params, generators, keys=None):
+        return torch.tensor(draws(keys)), torch.zeros(len(params))
+
+    monkeypatch.setattr(engine_module, "sample", sample)
+    monkeypatch.setattr(engine_module, "sample_tensors", sample_tensors)
+
+
+def _stop_engine(tiny, tokenizer, async_decode=False):
+    return RolloutEngine(tiny, EngineConfig(memory_bytes=16 * 2**20, sampler="counter", async_decode=async_decode),
+                         tokenizer=tokenizer)
+
+
+def _run_scripted(tiny, monkeypatch, tokenizer, prompt_ids, generated, stop, max_tokens=None, async_decode=False,
+                  stop_token_ids=()):
+    _scripted(monkeypatch, {7: list(prompt_ids) + list(generated) + [0] * 4})  # (the look-ahead draws past the end)
+    engine = _stop_engine(tiny, tokenizer, async_decode)
+    sp = SamplingParams(max_tokens=max_tokens or len(generated), temperature=0, seed=7, stop=stop,
+                        stop_token_ids=list(stop_token_ids))
+    return engine.generate([prompt_ids], sp)[0]
+
+
+@pytest.mark.parametrize("async_decode", [False, True])
+def test_a_stop_string_with_a_leading_space_at_the_start_of_a_turn(tiny, monkeypatch, async_decode):
+    """Metaspace: the turn's first token "▁Observation" decoded alone is "Observation" — the decoder drops the
+    leading space of the first piece it is given. The stop check decoded the turn's tokens from the turn's start, so
+    " Observation" was never found there (the request ran to max_tokens). vLLM's incremental detokenizer decodes
+    with the prompt's last tokens as context and finds it; so must this: the turn's text is the text its tokens add
+    after the context, " Observation: 42" here."""
+    tok = _metaspace_tokenizer()
+    prompt_ids = tok.encode("Thought: call the tool.")
+    generated = tok.encode(" Observation: the tool said 42.")
+    assert tok.convert_ids_to_tokens(generated[:1]) == ["▁Observation:"]  # the premise: the space is in that token
+    assert tok.decode(generated[:1]) == "Observation:"  # ... which the decoder drops when it comes first
+    res = _run_scripted(tiny, monkeypatch, tok, prompt_ids, generated, [" Observation"], async_decode=async_decode)
+    end = next(n for n in range(1, len(generated) + 1) if "Observation" in tok.decode(generated[:n]))
+    assert res.finish_reason == FinishReason.STOP and res.token_ids == generated[:end]
+
+
+def test_a_stop_string_with_a_leading_space_after_extend(tiny, monkeypatch):
+    """The same at the start of a later turn: extend's appended tokens are the context the turn's first token is
+    decoded after (and a stop string inside them does not end the turn: only generated text counts)."""
+    tok = _metaspace_tokenizer()
+    prompt_ids = tok.encode("Question: what is 6 times 7?")
+    turn1 = tok.encode(" Thought: call the tool.")
+    tool = tok.encode(" Observation: 42.")  # holds the stop string; it must not count
+    turn2 = tok.encode(" Answer: 42. Observation: done.")
+    _scripted(monkeypatch, {7: prompt_ids + turn1 + tool + turn2 + [0] * 4})
+    engine = _stop_engine(tiny, tok)
+    sp = SamplingParams(max_tokens=len(turn1), temperature=0, seed=7, stop=[" Observation", " Answer"])
+    rid = engine.add_request(prompt_ids, sp)
+    while engine.has_unfinished():
+        engine.step()
+    first = engine.result(rid)
+    assert first.finish_reason == FinishReason.LENGTH and first.token_ids == turn1
+    engine.extend(rid, tool, SamplingParams(max_tokens=len(turn2), temperature=0, seed=7, stop=[" Answer"]))
+    assert tok.convert_ids_to_tokens(turn2[:1]) == ["▁Answer:"]
+    engine.step()  # the extension's prefill draws the turn's first token, " Answer:"
+    second = engine.result(rid)
+    assert second.finish_reason == FinishReason.STOP and second.token_ids == turn2[:1]
+
+
+def test_a_stop_string_completed_by_a_character_begun_in_the_prompt(tiny, monkeypatch):
+    """Byte-level BPE: a prompt cut inside "€" (its first byte the prompt's last token) and a turn whose first two
+    tokens complete it. Decoded from the turn's start those two bytes are U+FFFD, so "€uro" was never seen; decoded
+    after the prompt's last tokens, the turn adds "€uro" (the character its tokens completed counts as the turn's, as
+    vLLM's incremental detokenizer emits it with them)."""
+    tok = _byte_level_tokenizer()
+    e2, x82, xac = (tok.token_to_id(c) for c in "âĤ¬")  # "€" = E2 82 AC: the byte-level alphabet's symbols
+    prompt_ids = [*tok.encode("Final answer: 42 ").ids, e2]
+    generated = [x82, xac, *tok.encode("uro, naïve").ids]
+    assert tok.decode(prompt_ids + generated).endswith("42 €uro, naïve") and "€" not in tok.decode(generated)
+    res = _run_scripted(tiny, monkeypatch, tok, prompt_ids, generated, ["€uro"])
+    end = next(n for n in range(1, len(generated) + 1) if "uro" in tok.decode(generated[:n]))
+    assert res.finish_reason == FinishReason.STOP and res.token_ids == generated[:end]
+
