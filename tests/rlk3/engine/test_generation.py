@@ -344,3 +344,82 @@ def test_a_stop_string_completed_by_a_character_begun_in_the_prompt(tiny, monkey
     end = next(n for n in range(1, len(generated) + 1) if "uro" in tok.decode(generated[:n]))
     assert res.finish_reason == FinishReason.STOP and res.token_ids == generated[:end]
 
+
+def _completes(tok, generated, stop):
+    """How many of ``generated`` end the turn on ``stop``: the first prefix whose text holds it."""
+    decode = tok.decode
+    return next(n for n in range(1, len(generated) + 1) if stop in decode(generated[:n]))
+
+
+@pytest.mark.parametrize("async_decode", [False, True])
+def test_only_this_turns_generated_text_holds_a_stop_string(tiny, monkeypatch, async_decode):
+    """A stop string in the prompt, or begun in the prompt and finished by the turn, does not end the turn (vLLM
+    matches only the generated text); one spanning two generated tokens does, at the token that completes it, and
+    that token is kept whole in ``token_ids`` though its text runs past the stop string (vLLM keeps the token ids
+    and cuts only its text)."""
+    tok = _byte_level_tokenizer()
+    prompt_ids = tok.encode("Observation: done. Thought: call the tool. Obs").ids  # both stops in the prompt
+    generated = tok.encode("ervation: done. Final answer").ids
+    res = _run_scripted(tiny, monkeypatch, tok, prompt_ids, generated, ["Observation: do", "Thought"],
+                        async_decode=async_decode)
+    assert res.finish_reason == FinishReason.LENGTH and res.token_ids == generated
+    monkeypatch.undo()
+    generated = tok.encode("ervation: done. Observation: done.").ids  # (the first "Observation: do" straddles)
+    end = _completes(tok, generated, "Observation: do")
+    assert [tok.decode([t]) for t in generated[end - 4 : end]] == [" Observation", ":", " ", "don"]
+    res = _run_scripted(tiny, monkeypatch, tok, prompt_ids, generated, ["Observation: do"],
+                        async_decode=async_decode)
+    assert res.finish_reason == FinishReason.STOP and res.token_ids == generated[:end]
+
+
+@pytest.mark.parametrize("async_decode", [False, True])
+def test_a_stop_on_the_last_token_max_tokens_allows_is_a_stop(tiny, monkeypatch, async_decode):
+    """The token that completes a stop string, or is a stop token, and is also the max_tokens-th: finish reason stop
+    (the turn ended where the model meant it to; vLLM's stop strings and its V0 stop tokens say so too), with the
+    step launched ahead of it (asynchronous decode) not drawing past max_tokens."""
+    tok = _byte_level_tokenizer()
+    prompt_ids = tok.encode("Thought: call the tool.").ids
+    generated = tok.encode(" Observation: done. Final answer: 42").ids
+    end = _completes(tok, generated, "answer")
+    res = _run_scripted(tiny, monkeypatch, tok, prompt_ids, generated, ["answer"], max_tokens=end,
+                        async_decode=async_decode)
+    assert res.finish_reason == FinishReason.STOP and res.token_ids == generated[:end]
+    monkeypatch.undo()
+    last = generated[end - 1]
+    assert last not in generated[: end - 1]
+    res = _run_scripted(tiny, monkeypatch, tok, prompt_ids, generated, [], max_tokens=end,
+                        async_decode=async_decode, stop_token_ids=[last])
+    assert res.finish_reason == FinishReason.STOP and res.token_ids == generated[:end]
+    monkeypatch.undo()
+    res = _run_scripted(tiny, monkeypatch, tok, prompt_ids, generated, ["answer"], max_tokens=end - 1,
+                        async_decode=async_decode)
+    assert res.finish_reason == FinishReason.LENGTH and res.token_ids == generated[: end - 1]
+
+
+def test_a_stop_string_with_asynchronous_decode_drops_the_token_drawn_ahead(tiny, monkeypatch):
+    """Several requests, each stopping on a string mid-turn: with asynchronous decode the step launched before the
+    stop was read back computed the stop's token and drew one more for it; that draw is dropped (the scripted draws
+    go on past the stop, so a kept one would show), and the results equal the synchronous engine's, one more token
+    cached (docs/engine.md, "Asynchronous decode")."""
+    tok = _byte_level_tokenizer()
+    texts = [" Observation: done. Final answer: 42", " Final answer: 42 €uro, naïve café", " the tool said 42."]
+    stops = [["answer"], ["naïve"], ["never"]]
+    prompts = [tok.encode(f"Question {i}: what is 6 times 7?").ids for i in range(3)]
+    gens = [tok.encode(t).ids for t in texts]
+    _scripted(monkeypatch, {100 + i: p + g + [0] * 4 for i, (p, g) in enumerate(zip(prompts, gens))})
+    results = {}
+    for async_decode in (False, True):
+        engine = _stop_engine(tiny, tok, async_decode)
+        params = [SamplingParams(max_tokens=len(g), temperature=0, seed=100 + i, stop=s)
+                  for i, (g, s) in enumerate(zip(gens, stops))]
+        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while engine.has_unfinished():
+            engine.step()
+        results[async_decode] = [engine.result(i) for i in ids]
+        if async_decode:
+            assert engine.stats().overlapped_steps > 0  # steps really ran ahead
+        engine.check_invariants()
+    for i, (sync, ahead) in enumerate(zip(results[False], results[True])):
+        end = _completes(tok, gens[i], stops[i][0]) if i < 2 else len(gens[i])
+        assert sync.token_ids == ahead.token_ids == gens[i][:end]
+        assert sync.finish_reason == ahead.finish_reason == (FinishReason.STOP if i < 2 else FinishReason.LENGTH)
