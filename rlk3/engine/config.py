@@ -43,7 +43,7 @@ class EngineConfig:
 
     # -- memory: at most one of the two (neither: DEFAULT_MEMORY_BYTES); the pool is preallocated and never grows
     memory_bytes: int | None = None  # the pool's byte budget
-    memory_fraction: float | None = None  # or: this fraction of the device's free memory (CPU: MemAvailable)
+    memory_fraction: float | None = None  # or: this fraction of the device's free memory (pool.device_free_bytes)
     block_size: int | None = None  # MLA tokens per page (a power of two dividing prefix_block_tokens); None = auto
     max_model_len: int | None = None  # longest sequence (prompt + every turn); None = whatever fits the pool
 

@@ -24,6 +24,7 @@ reference count, with no copy-on-write.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -119,28 +120,128 @@ def budget_bytes(memory_bytes: int | None, memory_fraction: float | None, device
         return int(memory_bytes)
     free = device_free_bytes(device)
     if free is None:
-        raise PoolError("memory_fraction on CPU needs /proc/meminfo's MemAvailable; set memory_bytes instead")
+        raise PoolError("memory_fraction on CPU needs /proc/meminfo's MemAvailable or a cgroup memory limit to size "
+                        "the pool from, and neither could be read; set memory_bytes instead")
     return int(free * memory_fraction)
 
 
 def device_free_bytes(device: torch.device) -> int | None:
     """Bytes a new allocation can take on ``device``: CUDA's free memory plus what PyTorch's caching allocator
-    holds unused; on the CPU, ``MemAvailable``. None where it cannot be read."""
+    holds unused; on the CPU, ``MemAvailable`` or the memory cgroup's headroom where that is smaller. None where it
+    cannot be read."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return _cpu_available_bytes()
 
 
-def _cpu_available_bytes() -> int | None:
+# Where the CPU's free memory is read (module attributes, read at each call, so a test can point them at fakes)
+MEMINFO = "/proc/meminfo"
+PROC_CGROUP = "/proc/self/cgroup"  # this process's cgroup in each hierarchy
+CGROUP_ROOT = "/sys/fs/cgroup"  # v2 mounted here; v1 controllers at CGROUP_ROOT/memory etc.
+# cgroup v1 writes "no limit" as PAGE_COUNTER_MAX pages (2^63 - 4096 bytes with 4 KiB pages); anything this large is
+# no limit on any machine
+_V1_UNLIMITED = 1 << 62
+
+
+def _cpu_available_bytes(meminfo: str | None = None, proc_cgroup: str | None = None,
+                         cgroup_root: str | None = None) -> int | None:
+    """What a new allocation can take on the CPU: the smaller of ``MemAvailable`` and the memory cgroup's headroom.
+    In a container ``MemAvailable`` is the host's: a pool sized from it, or checked against it, passes and then
+    gets the container OOM-killed once its pages are touched. None when neither can be read."""
+    avail = _meminfo_available(meminfo or MEMINFO)
+    room = _cgroup_headroom(proc_cgroup or PROC_CGROUP, cgroup_root or CGROUP_ROOT)
+    if avail is None or room is None:
+        return room if avail is None else avail
+    return min(avail, room)
+
+
+def _meminfo_available(path: str) -> int | None:
     try:
-        with open("/proc/meminfo") as f:
+        with open(path) as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def _cgroup_headroom(proc_cgroup: str, root: str) -> int | None:
+    """The least headroom (limit less usage) over this process's memory cgroup and its ancestors that set a limit
+    (a parent's limit bounds its children too), in cgroup v2 and v1 alike; None when none sets one or nothing can
+    be read. Usage counts without the inactive file cache, which the kernel reclaims before it OOM-kills (the
+    cgroup's working set, as the kubelet counts it; MemAvailable counts reclaimable cache as available too)."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    best = None
+    for line in lines:  # "hierarchy-id:controllers:path"; v2's is "0::path"
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and not controllers:
+            base, v2 = root, True
+        elif "memory" in controllers.split(","):
+            base, v2 = os.path.join(root, "memory"), False
+        else:
+            continue
+        leaf = os.path.join(base, path.lstrip("/"))
+        # inside a container with its own cgroup namespace or mount, the path names the host's hierarchy while
+        # the mount shows the container's own cgroup at its root
+        d = leaf if os.path.isdir(leaf) else base
+        while True:
+            room = _level_headroom(d, v2)
+            if room is not None:
+                best = room if best is None else min(best, room)
+            if os.path.normpath(d) == os.path.normpath(base):
+                break
+            d = os.path.dirname(d)
+    return best
+
+
+def _level_headroom(d: str, v2: bool) -> int | None:
+    """One cgroup directory's limit less its usage (without inactive file cache), or None where it sets no limit."""
+    if v2:
+        # memory.high is a limit too: above it the kernel throttles the cgroup and reclaims hard, and a pool's
+        # pages cannot be dropped
+        limits = [_read_int(os.path.join(d, name)) for name in ("memory.max", "memory.high")]
+        usage_file, inactive_keys = "memory.current", ("inactive_file",)
+    else:
+        limits = [_read_int(os.path.join(d, "memory.limit_in_bytes"))]
+        usage_file, inactive_keys = "memory.usage_in_bytes", ("total_inactive_file", "inactive_file")
+    limits = [x for x in limits if x is not None and x < _V1_UNLIMITED]
+    usage = _read_int(os.path.join(d, usage_file))
+    if not limits or usage is None:
+        return None
+    inactive = _stat_field(os.path.join(d, "memory.stat"), inactive_keys)
+    return max(0, min(limits) - max(0, usage - inactive))
+
+
+def _read_int(path: str) -> int | None:
+    """An integer file's value; None when absent, unreadable, or "max" (v2's no limit)."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _stat_field(path: str, keys: tuple[str, ...]) -> int:
+    """The first of ``keys`` found in a memory.stat file (0 if none)."""
+    try:
+        with open(path) as f:
+            fields = dict(line.split()[:2] for line in f if len(line.split()) >= 2)
+    except OSError:
+        return 0
+    for key in keys:
+        if fields.get(key, "").isdigit():
+            return int(fields[key])
+    return 0
 
 
 class PagedPool:

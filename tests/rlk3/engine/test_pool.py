@@ -82,11 +82,83 @@ def test_block_size_override_and_models_without_one_kind():
     assert lay.mla_layers == () and lay.pages_per_slot == 3
 
 
-def test_budget_from_a_fraction_of_free_memory():
+GiB, MiB = 2**30, 2**20
+
+
+def _fake_machine(tmp_path, monkeypatch, available: int, cgroup_lines: list[str], files: dict[str, object]):
+    """Points the CPU memory reader (pool.MEMINFO, PROC_CGROUP, CGROUP_ROOT) at fake files: this machine's own
+    cgroup, whatever it is, plays no part. (``raising=False``: before the reader had them, the real files were read
+    and the sizes below came out wrong, not as a missing attribute.)"""
+    from rlk3.engine import pool
+
+    (tmp_path / "meminfo").write_text(f"MemTotal: 99999999 kB\nMemAvailable: {available // 1024} kB\n")
+    (tmp_path / "cgroup").write_text("".join(line + "\n" for line in cgroup_lines))
+    root = tmp_path / "sys_fs_cgroup"
+    root.mkdir()
+    for rel, value in files.items():
+        f = root / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(f"{value}\n")
+    monkeypatch.setattr(pool, "MEMINFO", str(tmp_path / "meminfo"), raising=False)
+    monkeypatch.setattr(pool, "PROC_CGROUP", str(tmp_path / "cgroup"), raising=False)
+    monkeypatch.setattr(pool, "CGROUP_ROOT", str(root), raising=False)
+
+
+def test_budget_from_a_fraction_of_free_memory(tmp_path, monkeypatch):
     from rlk3.engine.pool import budget_bytes
 
-    with open("/proc/meminfo") as f:
-        avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    got = budget_bytes(None, 0.001, torch.device("cpu"))
-    assert abs(got - avail * 0.001) <= 0.05 * avail * 0.001  # MemAvailable moves a little between the two reads
+    _fake_machine(tmp_path, monkeypatch, 8 * GiB, ["0::/"], {})  # no limit anywhere: MemAvailable
+    assert budget_bytes(None, 0.25, torch.device("cpu")) == 2 * GiB
     assert budget_bytes(12345, None, torch.device("cpu")) == 12345
+
+
+@pytest.mark.parametrize("case", ["v2", "v2-parent", "v2-container-root", "v2-high", "v1", "v1-unlimited",
+                                  "host-smaller"])
+def test_memory_fraction_on_the_cpu_respects_the_cgroup_limit(tmp_path, monkeypatch, case):
+    """In a container MemAvailable is the host's: a pool sized from it (or checked against it at construction and
+    reacquire_memory) passes and gets the container OOM-killed once its pages are touched. The CPU's free memory is
+    the smaller of MemAvailable and the headroom of the process's memory cgroup and its ancestors (limit less
+    usage, the inactive file cache not counted as used: the kernel reclaims it first)."""
+    from rlk3.engine.pool import budget_bytes, device_free_bytes
+
+    stat = f"anon 1\ninactive_file {100 * MiB}\nactive_file 5\n"
+    v2 = ["0::/kubepods/pod1/ctr"]
+    cases = {  # (MemAvailable, /proc/self/cgroup, files under the cgroup root, expected free bytes)
+        "v2": (8 * GiB, v2, {"kubepods/pod1/ctr/memory.max": GiB, "kubepods/pod1/ctr/memory.current": 300 * MiB,
+                             "kubepods/pod1/ctr/memory.stat": stat, "kubepods/memory.max": "max"},
+               GiB - 200 * MiB),
+        # a parent's tighter limit bounds the child
+        "v2-parent": (8 * GiB, v2, {"kubepods/pod1/ctr/memory.max": GiB, "kubepods/pod1/ctr/memory.current": 0,
+                                    "kubepods/pod1/memory.max": 512 * MiB, "kubepods/pod1/memory.current": 400 * MiB},
+                      112 * MiB),
+        # a container with its own cgroup namespace: the path names the host's hierarchy, the root is its own
+        "v2-container-root": (8 * GiB, v2, {"memory.max": 2 * GiB, "memory.current": GiB}, GiB),
+        "v2-high": (8 * GiB, ["0::/"], {"memory.max": "max", "memory.high": 3 * GiB, "memory.current": GiB},
+                    2 * GiB),
+        # v1 (this kind of VM: named and v1 hierarchies beside an empty unified one)
+        "v1": (8 * GiB, ["4:memory:/process_api/x", "1:cpu:/", "0::/"],
+               {"memory/process_api/x/memory.limit_in_bytes": 2 * GiB,
+                "memory/process_api/x/memory.usage_in_bytes": 1536 * MiB,
+                "memory/process_api/x/memory.stat": f"cache 9\ntotal_inactive_file {36 * MiB}\n",
+                "memory/memory.limit_in_bytes": 9223372036854771712}, 548 * MiB),
+        "v1-unlimited": (8 * GiB, ["4:memory:/process_api/x"],
+                         {"memory/process_api/x/memory.limit_in_bytes": 9223372036854771712,
+                          "memory/process_api/x/memory.usage_in_bytes": GiB}, 8 * GiB),
+        "host-smaller": (256 * MiB, v2, {"memory.max": 2 * GiB, "memory.current": 0}, 256 * MiB),
+    }
+    available, lines, files, expected = cases[case]
+    _fake_machine(tmp_path, monkeypatch, available, lines, files)
+    assert device_free_bytes(torch.device("cpu")) == expected
+    assert budget_bytes(None, 0.5, torch.device("cpu")) == expected // 2
+
+
+def test_a_pool_over_the_cgroup_limit_is_refused_with_both_sizes(tiny, tmp_path, monkeypatch):
+    """The engine's own check at construction reads the same number: a pool the host could hold but the container
+    cannot is refused, naming both sizes, instead of being OOM-killed when its pages are touched."""
+    from rlk3.engine import EngineConfig, RolloutEngine
+
+    _fake_machine(tmp_path, monkeypatch, 64 * GiB, ["0::/"], {"memory.max": 40 * MiB, "memory.current": 30 * MiB})
+    with pytest.raises(PoolError, match=rf"the pool needs \d+ bytes \(0.02 GiB\) but cpu has {10 * MiB} bytes "):
+        RolloutEngine(tiny, EngineConfig(memory_bytes=16 * MiB))
+    engine = RolloutEngine(tiny, EngineConfig(memory_fraction=0.5))  # 5 MiB
+    assert engine.stats().pool.budget_bytes == 5 * MiB
