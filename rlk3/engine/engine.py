@@ -317,9 +317,13 @@ class RolloutEngine:
     def _make_graphs(self) -> None:
         """The graph holders, with their scratch pages, as soon as the pool exists: taken at first use they could
         find it full (admission fills it to the last page) and stop the step."""
-        if self._scratch_pages and self._scratch_pages > self.pool.num_pages - self.layout.pages_per_slot - 1:
-            raise PoolError(f"the pool's {self.pool.num_pages} pages cannot hold the graphs' scratch "
-                            f"({self._scratch_pages} pages) and one request")
+        one = self.layout.pages_per_slot + 1  # the least one request needs: a KDA slot and one MLA block
+        if self._scratch_pages and self._scratch_pages > self.pool.num_pages - one:
+            need = self._scratch_pages + one
+            raise PoolError(f"the pool's {self.pool.num_pages} pages of {self.layout.page_bytes} bytes cannot hold "
+                            f"the graphs' scratch ({self._scratch_pages} pages) and one request ({one} pages): set a "
+                            f"budget of at least {need * self.layout.page_bytes} bytes ({need} pages), or "
+                            f"prefill_graphs / cuda_graphs off")
         if self._graphs_ok:
             self._graphs = DecodeGraphs(self.runner, self.pool, self.config)
         if self.prefill_graphs:

@@ -256,7 +256,8 @@ class PagedPool:
         if self.num_pages < need:
             raise PoolError(
                 f"a pool budget of {self.budget} bytes holds {self.num_pages} pages of {layout.page_bytes} bytes; "
-                f"one request needs at least {need} (a KDA slot of {layout.pages_per_slot} pages + one MLA block)"
+                f"one request needs at least {need} (a KDA slot of {layout.pages_per_slot} pages + one MLA block): "
+                f"set a budget of at least {need * layout.page_bytes} bytes"
             )
         self.storage: torch.Tensor | None = None
         self.reacquire()

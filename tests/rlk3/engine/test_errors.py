@@ -205,9 +205,17 @@ def test_engine_config_from_dict_rejects_unknown_keys():
 def test_model_and_pool_errors(tiny):
     with pytest.raises(EngineConfigError, match="model must be a K3ForCausalLM, got Linear"):
         RolloutEngine(torch.nn.Linear(2, 2))
-    msg = r"a pool budget of 100000 bytes holds 4 pages of 24576 bytes; one request needs at least 7 \(a KDA slot"
+    msg = (r"a pool budget of 100000 bytes holds 4 pages of 24576 bytes; one request needs at least 7 \(a KDA slot "
+           r"of 6 pages \+ one MLA block\): set a budget of at least 172032 bytes$")
     with pytest.raises(PoolError, match=msg):
         RolloutEngine(tiny, EngineConfig(memory_bytes=100_000))
+    RolloutEngine(tiny, EngineConfig(memory_bytes=172032))  # that is enough
+    # the prefill graphs' scratch (a KDA slot and a page) comes out of the same pool: the minimum says so
+    msg = (r"the pool's 10 pages of 24576 bytes cannot hold the graphs' scratch \(7 pages\) and one request \(7 "
+           r"pages\): set a budget of at least 344064 bytes \(14 pages\), or prefill_graphs / cuda_graphs off$")
+    with pytest.raises(PoolError, match=msg):
+        RolloutEngine(tiny, EngineConfig(memory_bytes=10 * 24576, prefill_graphs=True))
+    RolloutEngine(tiny, EngineConfig(memory_bytes=344064, prefill_graphs=True))
     # more than the machine has: refused before allocating (on the CPU an overcommitted pool would be killed later)
     with pytest.raises(PoolError, match=r"the pool needs \d+ bytes \(1048576.00 GiB\) but cpu has \d+ bytes "
                                         r"\([\d.]+ GiB\) free; lower memory_bytes, or set memory_fraction instead"):
