@@ -1262,13 +1262,19 @@ class RolloutEngine:
         """The text this turn's last tokens add, enough to hold a stop string of ``longest`` characters completed by
         the last token: a window of the turn's tokens (each at least one byte of text, so ``4 * longest`` of them
         hold any such string; sliced from its start, never the whole turn: that made long generations' stop checks
-        quadratic), decoded after ``STOP_CONTEXT_TOKENS`` tokens before it — the prompt's or the extension's at a
-        turn's start — and only what the window adds kept. Decoded alone, a window loses what depends on the tokens
-        before it, as vLLM's incremental detokenizer knows (its prefix offset): a SentencePiece / Metaspace decoder
-        drops the leading space of the first piece it is given (" Observation" as a turn's first token read
-        "Observation"), and a first token that completes a multi-byte character begun before it reads U+FFFD."""
+        quadratic). Where the window reaches the turn's start it is decoded after ``STOP_CONTEXT_TOKENS`` tokens
+        before it (the prompt's or the extension's) and only what it adds is kept: decoded alone, it loses what
+        depends on the tokens before it, as vLLM's incremental detokenizer knows (its prefix offset) — a
+        SentencePiece / Metaspace decoder drops the leading space of the first piece it is given (" Observation" as
+        a turn's first token read "Observation"), and a first token that completes a multi-byte character begun
+        before it reads U+FFFD."""
         end = len(req.tokens)
         start = max(req.turn_start, end - (4 * longest + 8))
+        if start > req.turn_start:
+            # a window inside the turn needs no context: what decoding it alone gets wrong (a dropped space, a
+            # character begun before it) lies in its first 4 tokens, and its 8 tokens over 4 * longest are never
+            # part of a stop string the last token completes. One decode, as many as before the context
+            return self.tokenizer.decode(req.tokens[start:end])
         context = max(0, start - STOP_CONTEXT_TOKENS)
         head = self.tokenizer.decode(req.tokens[context:start]) if context < start else ""
         text = self.tokenizer.decode(req.tokens[context:end])

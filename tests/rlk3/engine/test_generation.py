@@ -154,8 +154,9 @@ def test_stop_tokens_and_stop_strings(tiny):
     res = engine.generate([p], SamplingParams(max_tokens=30, temperature=0, stop=[target]))[0]
     assert res.finish_reason == FinishReason.STOP and res.token_ids == free.token_ids[:end]
 
-    # every stop check decodes a bounded window of this turn's tokens after 4 tokens of context (at the turn's start
-    # the prompt's last 4), twice: the context alone, then with the window (engine._turn_tail_text)
+    # every stop check decodes a bounded window of this turn's tokens; while the window reaches the turn's start,
+    # after the prompt's last 4 tokens as context, twice: the context alone, then with the window
+    # (engine._turn_tail_text)
     class Recording(Letters):
         windows: list[list[int]] = []
 
@@ -167,11 +168,10 @@ def test_stop_tokens_and_stop_strings(tiny):
     engine = RolloutEngine(tiny, EngineConfig(memory_bytes=16 * 2**20), tokenizer=rec)
     res = engine.generate([p], SamplingParams(max_tokens=30, temperature=0, stop=["0"]))[0]  # never in the text
     assert res.finish_reason == FinishReason.LENGTH and res.token_ids == free.token_ids
-    assert len(rec.windows) == 2 * 30
-    full = p + free.token_ids
-    for n in range(1, 31):
-        start = len(p) + max(0, n - (4 * 1 + 8))
-        assert rec.windows[2 * n - 2 : 2 * n] == [full[start - 4 : start], full[start - 4 : len(p) + n]]
+    full, window = p + free.token_ids, 4 * 1 + 8
+    expected = [[full[len(p) - 4 : len(p)], full[len(p) - 4 : len(p) + n]] for n in range(1, window + 1)]
+    expected += [[free.token_ids[n - window : n]] for n in range(window + 1, 31)]
+    assert rec.windows == [w for pair in expected for w in pair]
 
 
 @pytest.mark.parametrize("sampler", ["generator", "counter"])  # sampling.py: both keep these guarantees
@@ -304,6 +304,13 @@ def test_a_stop_string_with_a_leading_space_at_the_start_of_a_turn(tiny, monkeyp
     assert tok.decode(generated[:1]) == "Observation:"  # ... which the decoder drops when it comes first
     res = _run_scripted(tiny, monkeypatch, tok, prompt_ids, generated, [" Observation"], async_decode=async_decode)
     end = next(n for n in range(1, len(generated) + 1) if "Observation" in tok.decode(generated[:n]))
+    assert res.finish_reason == FinishReason.STOP and res.token_ids == generated[:end]
+    # deep in a turn (the window no longer reaches its start, and is decoded without context) as well
+    monkeypatch.undo()
+    generated = tok.encode(" the tool said 42." * 12 + " Observation: done.")
+    assert generated.index(tok.encode(" Observation:")[0]) > 4 * len(" Observation") + 8
+    res = _run_scripted(tiny, monkeypatch, tok, prompt_ids, generated, [" Observation"], async_decode=async_decode)
+    end = next(n for n in range(1, len(generated) + 1) if " Observation" in tok.decode(generated[:n]))
     assert res.finish_reason == FinishReason.STOP and res.token_ids == generated[:end]
 
 
