@@ -113,7 +113,15 @@ class RolloutWorker:
         self.wgroup = WeightGroup(host, port, 1, device=str(next(self.engine.model.parameters()).device))
 
     def recv_weights(self, version: int) -> None:
-        self.engine.update_weights(self.wgroup.recv(), version)
+        stream = self.wgroup.recv()
+        try:
+            self.engine.update_weights(stream, version)
+        finally:
+            # the trainer's send blocks until every bucket is taken: an update the engine refuses before reading the
+            # stream (a version that is not newer) must still take the rest, or the trainer waits out the group's
+            # timeout and the next send/recv pair starts out of step. A no-op when the update read it all.
+            for _ in stream:
+                pass
 
     def open_cuda_weights(self, handles: dict, version: int) -> None:
         """``cluster.weight_sync: cuda_ipc``: copy from the trainer's GPU memory, device to device."""

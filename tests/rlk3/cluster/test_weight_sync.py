@@ -131,3 +131,47 @@ def test_nccl_broadcast_between_two_gpus():
     w = _weights()
     for k, t in w.items():
         assert torch.equal(got[0][k], t) and torch.equal(got[1][k], t * 2 if t.is_floating_point() else t), k
+
+
+def test_a_refused_update_still_takes_the_whole_broadcast():
+    """The engine refuses a version that is not newer before it reads the stream; the rollout worker used to return
+    there with the buckets unread, and the trainer's send blocked until the group's timeout (600 s by default). It
+    must drain the broadcast so that the send returns at once and the next send/recv pair is in step."""
+    import copy
+    import threading
+    import time
+
+    from rlk3.cluster.workers import RolloutWorker
+    from rlk3.engine import EngineConfig, RolloutEngine
+    from rlk3.model import K3Config, K3ForCausalLM
+
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.preset("k3-tiny", vocab_size=300))
+    w1 = {k: v.clone() for k, v in model.state_dict().items()}
+    w2 = {k: (v + 1 if v.is_floating_point() else v) for k, v in w1.items()}
+    worker = RolloutWorker.__new__(RolloutWorker)  # the parts recv_weights uses, without Ray or a config tree
+    worker.engine = RolloutEngine(copy.deepcopy(model).eval(), EngineConfig(memory_bytes=32 << 20))
+    port, errors = _port(), []
+
+    def receive():
+        try:
+            worker.wgroup = WeightGroup("127.0.0.1", port, 1, timeout_s=5, bucket_bytes=4096)
+            worker.recv_weights(1)
+            with pytest.raises(ValueError, match="version must be an int greater than the current 1, got 1"):
+                worker.recv_weights(1)
+            worker.recv_weights(2)
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    t = threading.Thread(target=receive, daemon=True)
+    t.start()
+    group = WeightGroup("127.0.0.1", port, 0, timeout_s=5, bucket_bytes=4096)
+    start = time.monotonic()
+    for w in (w1, w1, w2):  # the second is refused (version 1 again)
+        group.send(w)
+    t.join(30)
+    assert not errors, errors
+    assert time.monotonic() - start < 5  # well inside the timeout: nothing waited for it
+    assert worker.engine.version == 2
+    got = worker.engine.model.state_dict()
+    assert all(torch.equal(got[k], w2[k]) for k in w2)
