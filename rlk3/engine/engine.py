@@ -201,6 +201,7 @@ def _check_weights(items: list, params: dict[str, torch.Tensor]) -> None:
     weight from floating-point values of any precision: copying casts), and finite. A non-finite weight is a
     diverged trainer's, and would sample garbage under a valid version tag; it is refused here, by name."""
     flags: dict[torch.device, list[torch.Tensor]] = {}
+    tied: dict[int, tuple[str, torch.Tensor]] = {}  # the model's tensor -> the first (name, value) this update gave it
     for item in items:
         if not (isinstance(item, tuple | list) and len(item) == 2):
             raise ValueError(f"update_weights: expected (name, tensor) pairs, got {type(item).__name__}")
@@ -219,6 +220,10 @@ def _check_weights(items: list, params: dict[str, torch.Tensor]) -> None:
                              f"{params[name].dtype} (a floating-point weight takes any floating-point dtype)")
         if tensor.is_floating_point():
             flags.setdefault(tensor.device, []).extend(_finite_flags(tensor))
+        first = tied.setdefault(id(params[name]), (name, tensor))
+        if first[0] != name and not torch.equal(first[1], tensor.to(first[1].device, first[1].dtype)):
+            raise ValueError(f"update_weights: {first[0]!r} and {name!r} are one tied weight in the model "
+                             f"(tie_word_embeddings) but differ in this update; send equal values, or one of the names")
     # one read-back per device, not one per tensor; the names are looked up only when something is wrong
     if any(not bool(torch.stack(f).all()) for f in flags.values()):
         counts = [(n, sum(int((~torch.isfinite(part)).sum()) for part in _chunks(t))) for n, t in items
@@ -616,8 +621,10 @@ class RolloutEngine:
         if isinstance(version, bool) or not isinstance(version, int) or version <= self.version:
             raise ValueError(f"update_weights: version must be an int greater than the current {self.version}, "
                              f"got {version!r}")
-        params = dict(self.model.named_parameters())
-        params.update(dict(self.model.named_buffers()))
+        # every name of a tied weight (tie_word_embeddings: lm_head.weight is model.embed_tokens.weight): a state dict
+        # lists both, and named_parameters() alone would leave the second out and refuse it as unknown
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        params.update(dict(self.model.named_buffers(remove_duplicate=False)))
         not_pairs = (str, bytes, torch.Tensor, torch.nn.Module)  # iterable, but not of (name, tensor) pairs
         if not isinstance(state_dict, Mapping) and (not isinstance(state_dict, Iterable)
                                                      or isinstance(state_dict, not_pairs)):

@@ -130,3 +130,22 @@ def test_release_memory_is_not_counted_as_memory_pressure(tiny):
     _finish(engine, running)
     _finish(engine, paused)
     assert (engine.stats().preemptions, engine.stats().dropped_caches) == (0, 0)
+
+
+def test_update_weights_takes_a_tied_models_own_state_dict():
+    """With tie_word_embeddings the state dict names the one tensor twice (model.embed_tokens.weight and
+    lm_head.weight); the engine looked names up in named_parameters(), which lists it once, and refused the trainer's
+    full state dict as 'unknown weight lm_head.weight' at the first sync. Both names are accepted now, and two
+    different values for the one tied tensor are refused by name rather than the last one silently winning."""
+    torch.manual_seed(0)
+    cfg = K3Config.preset("k3-tiny", vocab_size=300, tie_word_embeddings=True)
+    engine = RolloutEngine(K3ForCausalLM(cfg).eval(), EngineConfig(memory_bytes=32 * 2**20))
+    trained = K3ForCausalLM(cfg)
+    assert trained.lm_head.weight is trained.model.embed_tokens.weight
+    engine.update_weights(trained.state_dict(), version=1)
+    got = engine.model.state_dict()
+    assert engine.version == 1 and all(torch.equal(got[k], v) for k, v in trained.state_dict().items())
+    odd = {**trained.state_dict(), "lm_head.weight": torch.zeros_like(trained.lm_head.weight)}
+    with pytest.raises(ValueError, match=r"'model\.embed_tokens\.weight' and 'lm_head\.weight' are one tied weight"):
+        engine.update_weights(odd, version=2)
+    assert engine.version == 1 and torch.equal(engine.model.lm_head.weight, trained.lm_head.weight)
