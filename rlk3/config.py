@@ -540,6 +540,15 @@ def validate(cfg: Config) -> None:
             if domain not in DOMAINS or effort not in EFFORTS:
                 raise ConfigError(f"mopd.teachers key {key!r} must be 'domain/effort' with domain in {list(DOMAINS)} "
                                   f"and effort in {list(EFFORTS)}")
+        # every (domain, effort) the prompt mix can draw needs its teacher: found missing only when the first
+        # rollout of that slice is scored, the run would stop after an iteration's sampling (TeacherRoutingError)
+        weights = list(cfg.tasks.weights) or [1.0] * len(cfg.tasks.domains)
+        drawn = [(d, e) for d, w in zip(cfg.tasks.domains, weights, strict=True) if w > 0 for e in cfg.rollout.efforts]
+        missing = [f"{d}/{e}" for d, e in dict.fromkeys(drawn) if f"{d}/{e}" not in cfg.mopd.teachers]
+        if missing:
+            raise ConfigError(f"mopd.teachers has no teacher for {missing}, which the prompt mix draws (tasks.domains="
+                              f"{list(cfg.tasks.domains)} x rollout.efforts={list(cfg.rollout.efforts)}); teachers "
+                              f"given: {sorted(cfg.mopd.teachers)}; add them, or drop those domains/efforts")
         _range("mopd.clip", cfg.mopd.clip, 0, lo_open=True)
     if cfg.run.stage in ("teachers", "demo"):
         _check_teacher_overrides(cfg)

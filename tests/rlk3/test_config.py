@@ -44,6 +44,9 @@ def test_composes_defaults_file_and_overrides(tmp_path):
         ("defaults: [stage/rl]\n", ["model.init_from=/nonexistent"], r"checkpoint directory '/nonexistent' does not"),
         ("defaults: [stage/mopd]\n", [], r"mopd.teachers is empty"),
         ("defaults: [stage/mopd]\n", ["mopd.teachers={math/high: x}"], r"mopd.teachers key 'math/high'"),
+        ("defaults: [stage/mopd]\n", ["mopd.teachers={general/low: x, general/high: x}", "tasks.domains=[general]"],
+         r"mopd.teachers has no teacher for \['general/medium'\], which the prompt mix draws \(tasks.domains="
+         r"\['general'\] x rollout.efforts=\['low', 'medium', 'high'\]\)"),
         ("defaults: [stage/nope]\n", [], r"no config fragment 'stage/nope'.*available: .*stage/rl"),
         ("rollout:\n  lam: 0.5\n", [], r"missing required keys \['run.stage'\]"),
         ("defaults: [stage/rl]\n", ["rollout.lam"], r"must look like key=value"),
@@ -80,6 +83,18 @@ def test_composes_defaults_file_and_overrides(tmp_path):
 def test_bad_configs_name_the_key_and_valid_values(tmp_path, text, overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config(write(tmp_path, text), overrides)
+
+
+def test_mopd_needs_a_teacher_only_for_the_slices_it_draws(tmp_path):
+    """A missing teacher used to surface as TeacherRoutingError after the first iteration's rollouts; validation now
+    names it. A domain of weight 0 is never drawn and needs none."""
+    text = "defaults: [stage/mopd]\n"
+    cfg = load_config(write(tmp_path, text), ["tasks.domains=[general, coding]", "tasks.weights=[1, 0]",
+                                              "rollout.efforts=[low]", "mopd.teachers={general/low: x}"])
+    assert dict(cfg.mopd.teachers) == {"general/low": "x"}
+    with pytest.raises(ConfigError, match=r"no teacher for \['coding/low'\]"):
+        load_config(write(tmp_path, text), ["tasks.domains=[general, coding]", "rollout.efforts=[low]",
+                                            "mopd.teachers={general/low: x}"])
 
 
 def test_a_run_config_builds_on_another(tmp_path):
