@@ -506,6 +506,14 @@ def validate(cfg: Config) -> None:
             "cluster.overlap=true runs the next rollout while training, which needs rollout and training on "
             "separate resources: set cluster.colocate=false (colocated workers alternate on one bundle)"
         )
+    if cfg.cluster.weight_sync == "broadcast" and cfg.cluster.num_gpus and cfg.cluster.colocate:
+        # colocated, train rank 0 and the rollout worker share bundle 0's one GPU, and NCCL refuses two ranks of a
+        # group on one device: the run would stop at its first sync, after a whole iteration of rollouts and training
+        raise ConfigError(
+            "cluster.weight_sync=broadcast forms an NCCL group of train rank 0 and the rollout worker, which "
+            "cluster.colocate=true puts on one GPU (NCCL refuses two ranks on one device): use cuda_ipc (or "
+            "object_store) colocated, or set cluster.colocate=false for broadcast"
+        )
     if cfg.cluster.weight_sync == "cuda_ipc" and not (cfg.cluster.num_gpus and cfg.cluster.colocate):
         raise ConfigError(
             "cluster.weight_sync=cuda_ipc hands the engine handles to the trainer's GPU memory, so it needs "

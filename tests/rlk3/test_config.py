@@ -42,6 +42,9 @@ def test_composes_defaults_file_and_overrides(tmp_path):
         ("defaults: [stage/rl]\n", ["rollout.group_size=abc"], r"rollout.group_size"),
         ("defaults: [stage/rl, effort/low]\n", ["effort.budget_start=50"], r"must be 0 or >= effort.budget \(128\)"),
         ("defaults: [stage/rl]\n", ["model.init_from=/nonexistent"], r"checkpoint directory '/nonexistent' does not"),
+        ("defaults: [stage/rl]\n", ["cluster.weight_sync=broadcast", "cluster.num_gpus=1"],
+         r"cluster.weight_sync=broadcast .* cluster.colocate=true puts on one GPU .* use cuda_ipc \(or object_store\) "
+         r"colocated, or set cluster.colocate=false"),
         ("defaults: [stage/mopd]\n", [], r"mopd.teachers is empty"),
         ("defaults: [stage/mopd]\n", ["mopd.teachers={math/high: x}"], r"mopd.teachers key 'math/high'"),
         ("defaults: [stage/mopd]\n", ["mopd.teachers={general/low: x, general/high: x}", "tasks.domains=[general]"],
