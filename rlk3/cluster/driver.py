@@ -242,10 +242,13 @@ class Cluster:
                     ray.get(self.worker.release_memory.remote())  # training's turn for the memory
                 stats["restarts"] = attempt
                 return [Trajectory.from_dict(d) for d in dicts], stats
-            except RayActorError:
+            except RayActorError as e:
                 if attempt == 2:
                     raise
-                print(f"rl: the rollout worker died in iteration {it}; restarting it and running the iteration again")
+                # why it died (killed, out of memory, a crash in the engine) is in Ray's error: say it, or a run that
+                # recovers leaves only 'died' in its log and a recurring cause goes unnoticed until the third time
+                print(f"rl: the rollout worker died in iteration {it} ({type(e).__name__}: {e}); restarting it and "
+                      "running the iteration again")
                 self.worker = self._new_rollout()
                 self._open_weight_group()
                 ray.get(self.worker.load_state.remote(self._buffer))

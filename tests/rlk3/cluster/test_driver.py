@@ -176,6 +176,34 @@ def test_sync_sends_only_new_weights(monkeypatch):
     assert engine_version == 2
 
 
+def test_a_rollout_worker_restart_says_why_the_worker_died(monkeypatch, capsys):
+    """The driver restarts a rollout worker that died, but its log line said only 'died': the cause Ray reports
+    (killed, out of memory, a crash) was dropped unless the third attempt failed too."""
+    from types import SimpleNamespace
+
+    from ray.exceptions import RayActorError
+
+    from rlk3.cluster import driver
+
+    monkeypatch.setattr(driver.ray, "get", lambda x: x)
+    cause = "The actor died because its worker process has died. Worker exit type: SYSTEM_ERROR (out of memory)"
+
+    def dies(it):
+        raise RayActorError(error_msg=cause)
+
+    def worker(iterate):
+        return SimpleNamespace(iterate=_Method(iterate), state=_Method(lambda: {}), load_state=_Method(lambda s: None))
+
+    cluster = driver.Cluster.__new__(driver.Cluster)
+    cluster.cfg = load_config(ROOT / "configs/quickstart.yaml")
+    cluster.release_pool, cluster.version, cluster.worker = False, 0, worker(dies)
+    monkeypatch.setattr(cluster, "_new_rollout", lambda: worker(lambda it: ([], {})))
+    trajs, stats = cluster._rollout(1, None)
+    assert trajs == [] and stats["restarts"] == 1
+    out = capsys.readouterr().out
+    assert "the rollout worker died in iteration 1 (RayActorError: " + cause in out
+
+
 def test_an_evaluation_between_iterations_takes_the_released_pool_back():
     """Colocated on a GPU the driver releases the engine's pool after each rollout (training's turn for the memory)
     and evaluates after the sync: the engine refuses to step without its pool, which failed every evaluation. The
