@@ -221,11 +221,24 @@ class TrainWorker:
     def step(self, trajs: list[dict]) -> dict:
         from rlk3.rollout.trajectory import Trajectory
 
-        return self.trainer.step([Trajectory.from_dict(d) for d in trajs])
+        metrics = self.trainer.step([Trajectory.from_dict(d) for d in trajs])
+        self._give_back_cache()
+        return metrics
+
+    def _give_back_cache(self) -> None:
+        """Colocated on a GPU, the engine in the rollout worker's process takes its pool back next
+        (``reacquire_memory``), and it can use only memory the device reports free: the activations and gathered
+        weights this process just freed stay reserved by its caching allocator, invisible to the other process, and
+        the reacquire would fail with PoolError (or leave the pool smaller than sized) for want of them."""
+        if self.cfg.cluster.colocate and self.cfg.cluster.num_gpus and torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def weights(self) -> dict:
         w = self.trainer.weights()
-        return {k: v.cpu() for k, v in w.items()} if self.rank == 0 else {}
+        out = {k: v.cpu() for k, v in w.items()} if self.rank == 0 else {}
+        del w  # under data parallelism the gathered full weights: freed before the cache is given back
+        self._give_back_cache()
+        return out
 
     def open_weight_group(self, host: str, port: int) -> None:
         """Rank 0 opens the two-member group it broadcasts weights over (``cluster.weight_sync: broadcast``)."""

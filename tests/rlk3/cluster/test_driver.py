@@ -204,6 +204,29 @@ def test_a_rollout_worker_restart_says_why_the_worker_died(monkeypatch, capsys):
     assert "the rollout worker died in iteration 1 (RayActorError: " + cause in out
 
 
+def test_a_colocated_trainer_gives_its_cached_gpu_memory_back_for_the_engine(monkeypatch):
+    """Colocated on a GPU the engine, in another process, takes its pool back after training and sees only the memory
+    the device reports free; the trainer's caching allocator kept the step's freed activations (and FSDP's gathered
+    weights) reserved, so the reacquire could fail with PoolError. The train worker empties its cache after each
+    step and gather when colocated on a GPU, and keeps it otherwise (a disaggregated trainer reuses it)."""
+    from types import SimpleNamespace
+
+    from rlk3.cluster.workers import TrainWorker
+
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    for colocate, num_gpus, want in ((True, 1, 2), (False, 1, 0), (True, 0, 0)):
+        emptied.clear()
+        worker = TrainWorker.__new__(TrainWorker)
+        worker.cfg = SimpleNamespace(cluster=SimpleNamespace(colocate=colocate, num_gpus=num_gpus))
+        worker.rank = 0
+        worker.trainer = SimpleNamespace(step=lambda trajs: {"train/loss": 0.0}, weights=lambda: {"w": torch.ones(2)})
+        assert worker.step([]) == {"train/loss": 0.0}
+        assert torch.equal(worker.weights()["w"], torch.ones(2))
+        assert len(emptied) == want, (colocate, num_gpus)
+
+
 def test_an_evaluation_between_iterations_takes_the_released_pool_back():
     """Colocated on a GPU the driver releases the engine's pool after each rollout (training's turn for the memory)
     and evaluates after the sync: the engine refuses to step without its pool, which failed every evaluation. The
