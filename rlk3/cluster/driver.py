@@ -191,7 +191,10 @@ class Cluster:
         elif mode == "cuda_ipc":
             refs = self._on_all("share_weights")
             ray.get(refs[1:])
-            ray.get(self.worker.open_cuda_weights.remote(refs[0], version))
+            try:
+                ray.get(self.worker.open_cuda_weights.remote(refs[0], version))
+            finally:  # copied (or refused): the trainer's tensors behind the handles are no longer needed
+                ray.get(self.trainer.drop_shared.remote())
         else:
             ray.get(self.worker.update_weights.remote(self._weights(), version))
 

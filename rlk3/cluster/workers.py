@@ -259,8 +259,20 @@ class TrainWorker:
         here until the next call, so the handles stay valid while the engine copies."""
         from rlk3.cluster.weight_sync import share_cuda
 
-        self._shared = {k: v.contiguous() for k, v in self.trainer.weights().items()}
-        return share_cuda(self._shared) if self.rank == 0 else {}
+        w = self.trainer.weights()  # under data parallelism a collective: full weights gathered on every rank
+        if self.rank != 0:
+            del w  # nothing is shared from here: not kept (a full copy per GPU would undo the sharding)
+            self._give_back_cache()
+            return {}
+        self._shared = {k: v.contiguous() for k, v in w.items()}
+        return share_cuda(self._shared)
+
+    def drop_shared(self) -> None:
+        """The engine has copied the shared weights (``open_cuda_weights`` synchronises before it returns): the
+        tensors behind the handles may go. Under data parallelism they are a gathered full copy, which would
+        otherwise stay on rank 0's GPU through the next rollout and training step."""
+        self._shared = None
+        self._give_back_cache()
 
     def version(self) -> int:
         return self.trainer.version

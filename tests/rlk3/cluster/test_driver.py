@@ -227,6 +227,33 @@ def test_a_colocated_trainer_gives_its_cached_gpu_memory_back_for_the_engine(mon
         assert len(emptied) == want, (colocate, num_gpus)
 
 
+def test_cuda_ipc_sync_keeps_no_gathered_copy_of_the_weights(monkeypatch):
+    """cluster.weight_sync=cuda_ipc under data parallelism: every rank gathers the full weights, and every rank kept
+    them (rank 0 for the handles, the others for nothing) until the next sync, through the next rollout and training
+    step: a full model copy on each GPU, undoing FSDP's sharding. Only rank 0 keeps them, and only until the engine
+    has copied them."""
+    from types import SimpleNamespace
+
+    from rlk3.cluster import driver
+    from rlk3.cluster.workers import TrainWorker
+
+    worker = TrainWorker.__new__(TrainWorker)
+    worker.cfg = SimpleNamespace(cluster=SimpleNamespace(colocate=True, num_gpus=1))
+    worker.rank, worker.trainer = 1, SimpleNamespace(weights=lambda: {"w": torch.ones(2)})
+    assert worker.share_weights() == {} and getattr(worker, "_shared", None) is None
+
+    monkeypatch.setattr(driver.ray, "get", lambda x: x)
+    calls = []
+    rank0 = SimpleNamespace(share_weights=_Method(lambda: calls.append("share") or {"w": "handle"}),
+                            drop_shared=_Method(lambda: calls.append("drop")))
+    cluster = driver.Cluster.__new__(driver.Cluster)
+    cluster.cfg = SimpleNamespace(cluster=SimpleNamespace(weight_sync="cuda_ipc"))
+    cluster.trainer, cluster.trainers = rank0, [rank0]
+    cluster.worker = SimpleNamespace(open_cuda_weights=_Method(lambda h, v: calls.append(("open", h, v))))
+    cluster._push(3)
+    assert calls == ["share", ("open", {"w": "handle"}, 3), "drop"]
+
+
 def test_an_evaluation_between_iterations_takes_the_released_pool_back():
     """Colocated on a GPU the driver releases the engine's pool after each rollout (training's turn for the memory)
     and evaluates after the sync: the engine refuses to step without its pool, which failed every evaluation. The
