@@ -441,15 +441,14 @@ class AgentLoop:
             max_tokens=cap, temperature=self.cfg.temperature, top_p=self.cfg.top_p, top_k=self.cfg.top_k,
             stop_token_ids=list(h.stop_token_ids), seed=_seed(self.cfg.seed, traj.uid, turn_idx, st["open"]),
         )
-        already = st["open"]  # tokens of this turn generated before a pause
         if known and st["unsent"] == 0 and eng.requests[rid].status == RequestStatus.PAUSED:
-            new_ids, skip = [], already  # the engine's turn result includes the tokens before the pause
+            new_ids = []  # resume: the engine's turn result includes the tokens before the pause
         elif known:
-            new_ids, skip = traj.token_ids[len(traj.token_ids) - st["unsent"] :], 0
+            new_ids = traj.token_ids[len(traj.token_ids) - st["unsent"] :]
         else:  # a fresh request: prefill the whole stream (a restart, or the first turn)
             if rid is not None:
                 traj.metrics["recomputed"] = traj.metrics.get("recomputed", 0) + 1
-            rid, new_ids, skip = None, list(traj.token_ids), 0
+            rid, new_ids = None, list(traj.token_ids)
         if rid is None:
             st["requests"] = st.get("requests", 0) + 1
             rid = f"{traj.uid}-{st['requests']}"
@@ -464,9 +463,22 @@ class AgentLoop:
         traj.metrics["timing"]["generate_s"] += time.perf_counter() - t0
         st["rid"] = res.request_id
         st["unsent"] = 0
+        # The tokens of the engine's turn the trajectory already holds (appended at a pause), counted from where
+        # this request's turn began: not the open turn's count, since a request made again mid-turn (a restart)
+        # begins its turn after the tokens the lost one generated, and skipping those would drop as many new ones.
+        skip = len(traj.token_ids) - len(res.prompt_token_ids)
+        if skip < 0 or traj.token_ids[: len(res.prompt_token_ids)] != res.prompt_token_ids \
+                or traj.token_ids[len(res.prompt_token_ids) :] != res.token_ids[:skip]:
+            # the trainer recomputes every behaviour log-prob over the trajectory's stream: one that is not the
+            # stream the engine sampled over would train on log-probs of other contexts
+            at = next((i for i, (a, b) in enumerate(zip(traj.token_ids, res.prompt_token_ids + res.token_ids))
+                       if a != b), min(len(traj.token_ids), len(res.prompt_token_ids) + len(res.token_ids)))
+            raise LoopError(f"episode {traj.uid}: the trajectory's {len(traj.token_ids)} tokens part from engine "
+                            f"request {res.request_id!r}'s stream at token {at}; they must be the prompt it was given "
+                            f"({len(res.prompt_token_ids)} tokens) and the turn's first tokens it sampled")
         got = res.token_ids[skip:]
         traj.append(list(got), generated=True, logprobs=res.logprobs[skip:], versions=res.versions[skip:])
-        st["open"] = already + len(got)
+        st["open"] += len(got)
         if res.status == RequestStatus.PAUSED:
             return None
         return res

@@ -145,6 +145,49 @@ def test_a_restarted_engine_recomputes_the_open_turn_greedy(model, tok):
         assert done[r.uid].token_ids == r.token_ids
 
 
+def test_a_turn_restarted_then_paused_again_keeps_every_token(model, tok):
+    """Paused mid-turn, the engine lost (a checkpoint reload, an actor restart), the turn recomputed on a new request
+    and paused again before it ended, then resumed: the new request's turn began after the tokens the lost one
+    generated, so the loop must not skip those again in its result (it dropped as many new tokens, and every later
+    token was sampled over a stream the trajectory does not hold)."""
+    tasks = get_tasks("general", "heldout", 3)
+    ref = run(_episodes(general_loop(model, tok, max_turn_tokens=60, temperature=0.0), tasks))
+    task_of = {t.task_id: t for t in tasks}
+
+    async def until(loop, n):
+        while loop.front.engine.stats().decode_tokens < n:
+            await asyncio.sleep(0.005)
+
+    async def go():
+        loop = general_loop(model, tok, max_turn_tokens=60, temperature=0.0)
+        jobs = [asyncio.ensure_future(loop.run(t, loop.new_trajectory(t, effort="low", budget=None, uid=f"u{i}")))
+                for i, t in enumerate(tasks)]
+        await until(loop, 15)
+        await loop.pause()
+        first = await asyncio.gather(*jobs)
+        await loop.front.close()
+        fresh = general_loop(model, tok, max_turn_tokens=60, temperature=0.0)  # a new engine: nothing cached
+        jobs = [asyncio.ensure_future(fresh.run(task_of[t.task_id], t)) for t in first if t.status == Status.PAUSED]
+        await until(fresh, 15)
+        await fresh.pause()
+        second = await asyncio.gather(*jobs)
+        fresh.unpause()
+        again = [t for t in second if t.status == Status.PAUSED]
+        # paused again inside the first turn, which the new request took up part-way
+        assert again and all(t.metrics["loop"]["open"] > 0 and t.metrics["loop"]["turns"] == 0 for t in again)
+        rest = await asyncio.gather(*(fresh.run(task_of[t.task_id], t) for t in again))
+        await fresh.front.close()
+        return first, rest
+
+    first, rest = run(go())
+    assert all(t.metrics.get("recomputed") == 1 for t in rest)
+    done = {t.uid: t for t in first if t.status != Status.PAUSED} | {t.uid: t for t in rest}
+    for r in ref:
+        t = done[r.uid]
+        assert t.token_ids == r.token_ids and t.loss_mask == r.loss_mask
+        assert t.behaviour_logprobs == pytest.approx(r.behaviour_logprobs, abs=1e-5)
+
+
 def test_a_turn_cut_short_sends_its_end_token_to_the_engine(model, tok):
     """A turn that stops at max_turn_tokens gets the template's end-of-turn token in the trajectory; the engine must
     see it too, or every later turn is sampled over a different stream than the one the trainer recomputes (the
