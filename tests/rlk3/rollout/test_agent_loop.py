@@ -188,6 +188,82 @@ def test_a_turn_restarted_then_paused_again_keeps_every_token(model, tok):
         assert t.behaviour_logprobs == pytest.approx(r.behaviour_logprobs, abs=1e-5)
 
 
+def test_behaviour_logprobs_and_versions_equal_the_trainers_recompute(model, tok):
+    """The ``Trajectory`` contract end to end: episodes through the loop's paths (turns cut at max_turn_tokens, turns
+    ending on <|im_end|> or on EOS, malformed calls answered as tool turns, the context limit, a pause mid-turn, a
+    weight update, the resume under the new weights), then the trainer's own recompute (``Trainer._padded``,
+    ``_logits``, ``token_logprobs`` at the sampling temperature) under each token's version: the same generated
+    tokens, the same log-probs. Top-p/top-k shape only the draw: the engine's log-prob, like the trainer's, is over
+    the whole vocabulary."""
+    import copy
+    import random
+
+    from rlk3.algo.loss import token_logprobs
+    from rlk3.config import TrainConfig
+    from rlk3.train.trainer import Trainer
+
+    m = copy.deepcopy(model)
+    end, eos = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
+    with torch.no_grad():  # the untrained model seldom stops: make both stop tokens likely, and alike
+        w = m.get_output_embeddings().weight
+        w[end] *= 16
+        w[eos] = w[end]
+    h = Harness("chat", tok)
+    rng = random.Random(0)  # most turns a malformed call (another turn follows), some a final answer
+    h.parse = lambda text: Parsed(text=text, content=text, reasoning=None,
+                                  error=None if rng.random() < 0.2 else "no such tool")
+    # recomputed caches: a token of version v is then exactly π_v's (by default a request keeps the cache it built
+    # under older weights, and its later tokens are sampled over that: docs/engine.md)
+    engine = RolloutEngine(m, EngineConfig(memory_bytes=64 << 20, recompute_on_weight_update=True))
+    T = 0.7
+    loop = AgentLoop(EngineFront(engine), {"general": h},
+                     config=LoopConfig(temperature=T, top_p=0.9, top_k=50, max_turn_tokens=12, max_turns=6,
+                                       max_context_tokens=150, seed=2))
+    tasks = get_tasks("general", "heldout", 6)
+    task_of = {t.task_id: t for t in tasks}
+    g = torch.Generator().manual_seed(1)
+    weights = {0: copy.deepcopy(m.state_dict())}
+    weights[1] = {k: v + 3e-3 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+                  for k, v in weights[0].items()}
+
+    async def go():
+        jobs = [asyncio.ensure_future(loop.run(t, loop.new_trajectory(t, effort="low", budget=None, uid=f"u{i}")))
+                for i, t in enumerate(tasks)]
+        while engine.stats().decode_tokens < 30 and not all(j.done() for j in jobs):
+            await asyncio.sleep(0.005)
+        await loop.pause()
+        first = await asyncio.gather(*jobs)
+        loop.unpause()
+        engine.update_weights(weights[1], 1)
+        rest = await asyncio.gather(*(loop.run(task_of[t.task_id], t) for t in first if t.status == Status.PAUSED))
+        await loop.front.close()
+        return {t.uid: t for t in first} | {t.uid: t for t in rest}
+
+    trajs = list(run(go()).values())
+    ref = copy.deepcopy(model)
+    trainer = Trainer(ref, TrainConfig(qb_update=False), temperature=T, log=lambda *_: None)
+    worst = 0.0
+    for t in trajs:
+        t.validate()
+        b = Trainer._padded([t], [torch.zeros(t.num_generated)])
+        pos = b.mask[0].nonzero().squeeze(-1)
+        assert len(pos) == t.num_generated and b.ids[0].tolist() == t.token_ids
+        per_version = {}
+        for v in sorted(set(t.policy_versions)):
+            ref.load_state_dict(weights[v])
+            with torch.no_grad():
+                per_version[v] = token_logprobs(trainer._logits(ref, b), b.ids[:, 1:], T)[0][0]
+        got = torch.stack([per_version[v][p] for p, v in zip(pos.tolist(), t.policy_versions)])
+        worst = max(worst, float((got - b.behaviour[0, pos]).abs().max()))
+    # paths the check must have crossed
+    assert any(len(set(t.policy_versions)) == 2 for t in trajs), "no episode spanned the weight update"
+    assert any(t.metrics.get("truncated") == "context" for t in trajs)
+    assert any(eos in t.token_ids for t in trajs) and any(t.metrics["loop"]["turns"] > 1 for t in trajs)
+    # fp32 agreement is ~1e-6; the bound leaves room for a router near-tie that the engine's batched arithmetic
+    # breaks the other way (docs/engine.md: up to ~1e-3); a stream or temperature mismatch costs tenths of a nat
+    assert worst < 1e-3, worst
+
+
 def test_a_turn_cut_short_sends_its_end_token_to_the_engine(model, tok):
     """A turn that stops at max_turn_tokens gets the template's end-of-turn token in the trajectory; the engine must
     see it too, or every later turn is sampled over a different stream than the one the trainer recomputes (the
