@@ -10,7 +10,7 @@ the bad value and what would be valid.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +110,10 @@ class RolloutConfig:
     # generator on CPU (set it to keep one sampler when a run moves between devices)
     sampler: str | None = None
     efforts: list[str] = field(default_factory=lambda: ["low", "medium", "high"])  # MOPD's prompt mix
+    # the rollout engine's own settings, EngineConfig keys (docs/engine.md), e.g. {memory_fraction: 0.5} on a GPU
+    # (vLLM's gpu_memory_utilization) or {recompute_on_weight_update: true}. Unset: a 256 MiB pool (k3-tiny on a
+    # CPU). max_model_len and sampler come from rollout.max_total_tokens and rollout.sampler (``engine_settings``)
+    engine: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -218,7 +222,7 @@ FREE_FORM = (
     "model.overrides", "tasks.files", "tasks.heldout_sizes", "harness.presets", "mopd.teachers", "sft.domain_demos",
     "sft.effort_weights", "sft.habit_stage.effort_weights", "sft.habit_stage.domain_demos",
     "sft.habit_stage.habits", "teachers.overrides",
-    "mopd.overrides",
+    "mopd.overrides", "rollout.engine",
 )
 
 
@@ -316,6 +320,40 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     for k, v in tree.items():
         out |= _flat(v, f"{prefix}.{k}" if prefix else str(k))
     return out
+
+
+# the engine keys the run sets from its own: one place for each number (the agent loop's context limit is the
+# engine's max_model_len; rollout.sampler is documented with the run's other sampling keys)
+ENGINE_FROM_RUN = {"max_model_len": "rollout.max_total_tokens", "sampler": "rollout.sampler"}
+ENGINE_DEFAULT_MEMORY = 256 << 20  # the pool when rollout.engine names no memory key: ample for k3-tiny on a CPU
+
+
+def engine_settings(cfg: Config) -> dict[str, Any]:
+    """The rollout engine's EngineConfig keyword arguments: ``rollout.engine`` on top of the run's own."""
+    engine = cfg.rollout.engine
+    own = dict(OmegaConf.to_container(engine) if OmegaConf.is_config(engine) else engine)
+    base: dict[str, Any] = {"max_model_len": cfg.rollout.max_total_tokens, "sampler": cfg.rollout.sampler}
+    if "memory_bytes" not in own and "memory_fraction" not in own:
+        base["memory_bytes"] = ENGINE_DEFAULT_MEMORY
+    return base | own
+
+
+def _check_engine(cfg: Config) -> None:
+    """``rollout.engine``: known EngineConfig keys, not the ones the run sets, values EngineConfig accepts. Checked
+    here, with the rest of the config: the engine is built inside the rollout actor, after Ray has started."""
+    from rlk3.engine.config import EngineConfig, EngineConfigError
+
+    keys = {f.name for f in fields(EngineConfig)}
+    for key in cfg.rollout.engine:
+        if key in ENGINE_FROM_RUN:
+            raise ConfigError(f"rollout.engine.{key} is set from {ENGINE_FROM_RUN[key]}: set that instead")
+        if key not in keys:
+            raise ConfigError(f"rollout.engine: unknown key {key!r}; EngineConfig's keys (docs/engine.md): "
+                              f"{sorted(keys - set(ENGINE_FROM_RUN))}")
+    try:
+        EngineConfig(**engine_settings(cfg))
+    except EngineConfigError as e:
+        raise ConfigError(f"rollout.engine: {e}") from None
 
 
 def _check_teacher_overrides(cfg: Config) -> None:
@@ -484,6 +522,7 @@ def validate(cfg: Config) -> None:
     _range("rollout.max_staleness", r.max_staleness, 0)
     _in("rollout.top_up", r.top_up, TOP_UP_MODES)
     _in("rollout.sampler", r.sampler, (*SAMPLERS, None))
+    _check_engine(cfg)
     _range("rollout.temperature", r.temperature, 0, lo_open=True)
     _range("rollout.top_p", r.top_p, 0, 1, lo_open=True)
     _range("rollout.max_new_tokens", r.max_new_tokens, 1)

@@ -56,11 +56,11 @@ def budget_fn(cfg):
 
 
 def engine_config(cfg):
-    """The rollout engine's settings from the run's config."""
+    """The rollout engine's settings from the run's config (``rollout.engine`` on top of the run's own)."""
+    from rlk3.config import engine_settings
     from rlk3.engine import EngineConfig
 
-    return EngineConfig(memory_bytes=256 << 20, max_model_len=cfg.rollout.max_total_tokens,
-                        sampler=cfg.rollout.sampler)
+    return EngineConfig(**engine_settings(cfg))
 
 
 class RolloutWorker:

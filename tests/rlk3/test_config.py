@@ -46,6 +46,14 @@ def test_composes_defaults_file_and_overrides(tmp_path):
          r"cluster.weight_sync=broadcast .* cluster.colocate=true puts on one GPU .* use cuda_ipc \(or object_store\) "
          r"colocated, or set cluster.colocate=false"),
         ("defaults: [stage/mopd]\n", [], r"mopd.teachers is empty"),
+        ("defaults: [stage/rl]\n", ["rollout.engine.memory_fraction=1.5"],
+         r"rollout.engine: EngineConfig.memory_fraction must be a number in \(0, 1\], got 1.5"),
+        ("defaults: [stage/rl]\n", ["rollout.engine.memory_bytes=1", "rollout.engine.memory_fraction=0.5"],
+         r"rollout.engine: EngineConfig: set at most one of memory_bytes and memory_fraction"),
+        ("defaults: [stage/rl]\n", ["rollout.engine.gpu_memory_utilization=0.9"],
+         r"rollout.engine: unknown key 'gpu_memory_utilization'; EngineConfig's keys .*'memory_fraction'"),
+        ("defaults: [stage/rl]\n", ["rollout.engine.max_model_len=4096"],
+         r"rollout.engine.max_model_len is set from rollout.max_total_tokens: set that instead"),
         ("defaults: [stage/mopd]\n", ["mopd.teachers={math/high: x}"], r"mopd.teachers key 'math/high'"),
         ("defaults: [stage/mopd]\n", ["mopd.teachers={general/low: x, general/high: x}", "tasks.domains=[general]"],
          r"mopd.teachers has no teacher for \['general/medium'\], which the prompt mix draws \(tasks.domains="
@@ -86,6 +94,21 @@ def test_composes_defaults_file_and_overrides(tmp_path):
 def test_bad_configs_name_the_key_and_valid_values(tmp_path, text, overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config(write(tmp_path, text), overrides)
+
+
+def test_rollout_engine_settings_reach_the_rollout_workers_engine(tmp_path):
+    """``rollout.engine`` is how a run sizes its engine (the pool was a fixed 256 MiB, on a GPU too) and sets its
+    other EngineConfig keys; the run's own keys stay where they are documented."""
+    from rlk3.cluster.workers import engine_config
+
+    default = engine_config(load_config(write(tmp_path, "defaults: [stage/rl]\n")))
+    assert (default.memory_bytes, default.memory_fraction) == (256 << 20, None)
+    cfg = load_config(write(tmp_path, "defaults: [stage/rl]\n"), [
+        "rollout.engine.memory_fraction=0.5", "rollout.engine.recompute_on_weight_update=true",
+        "rollout.engine.cuda_graph_batch_sizes=[1, 8]", "rollout.max_total_tokens=3000", "rollout.sampler=counter"])
+    e = engine_config(cfg)
+    assert (e.memory_bytes, e.memory_fraction, e.recompute_on_weight_update) == (None, 0.5, True)
+    assert (list(e.cuda_graph_batch_sizes), e.max_model_len, e.sampler) == ([1, 8], 3000, "counter")
 
 
 def test_mopd_needs_a_teacher_only_for_the_slices_it_draws(tmp_path):
