@@ -16,7 +16,9 @@ tokens sampled by an older policy are reweighted token by token. Two ways to tam
 * ``none``: ``w = 1`` (pure PPO; only right when every token is on-policy).
 
 Aggregation: ``token-mean`` (every generated token in the batch weighs the same), ``seq-mean-token-mean`` (each
-sequence weighs the same) or ``seq-mean-token-sum``. A sequence whose tokens are all masked contributes 0, not NaN.
+sequence weighs the same) or ``seq-mean-token-sum``. The means count every generated token, masked-IS drops
+included (their terms are 0), so the result does not depend on how a batch is split into micro-batches. A sequence
+whose tokens are all masked contributes 0, not NaN.
 """
 
 from __future__ import annotations
@@ -70,13 +72,19 @@ def importance_weights(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mas
     return w, keep
 
 
-def aggregate(per_token: torch.Tensor, keep: torch.Tensor, how: str) -> torch.Tensor:
+def aggregate(per_token: torch.Tensor, keep: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
+    """Sum of ``per_token`` over ``keep``, normalised by the generated tokens (``mask``).
+    Masked IS zeroes a dropped token's term but leaves it in the denominator (IcePop's ``1/|y|``): the denominator
+    is then known before the forward pass, so a micro-batch's share (``mask.sum() / batch tokens``, the trainer's
+    weight) sums to the whole batch's mean however the batch is packed, and masking a sequence's off-policy tokens
+    does not scale up the ones it keeps."""
     keep = keep.to(per_token.dtype)
+    count = mask.to(per_token.dtype)
     if how == "token-mean":
-        return (per_token * keep).sum() / keep.sum().clamp(min=1.0)
+        return (per_token * keep).sum() / count.sum().clamp(min=1.0)
     per_seq = (per_token * keep).sum(-1)
     if how == "seq-mean-token-mean":
-        per_seq = per_seq / keep.sum(-1).clamp(min=1.0)
+        per_seq = per_seq / count.sum(-1).clamp(min=1.0)
     return per_seq.mean()
 
 
@@ -110,7 +118,7 @@ def policy_loss(
         d = ref_logp.detach() - logp
         kl = d.exp() - d - 1  # k3: unbiased, non-negative estimate of KL(π_θ ‖ π_ref)
         per_token = per_token + cfg.kl_coef * kl
-    loss = aggregate(per_token, keep, cfg.aggregation)
+    loss = aggregate(per_token, keep, mask, cfg.aggregation)
 
     m = mask.bool()
     n = m.sum().clamp(min=1)

@@ -65,6 +65,35 @@ def test_masked_is_drops_tokens_outside_the_band_and_all_masked_sequences_give_z
     assert loss2.item() == 0.0 and torch.equal(lp2.grad, torch.zeros_like(lp2))
 
 
+def test_masked_is_normalises_by_generated_tokens_so_a_split_batch_gives_the_same_gradient():
+    """Masked IS zeroes the dropped tokens; the mean is still over every generated token. Dividing by the kept
+    tokens instead made each micro-batch's denominator depend on what was masked in it, so the trainer's
+    accumulated gradient depended on how the batch was packed."""
+    cfg = LossConfig(is_mode="mask", is_low=0.5, is_high=2.0)
+    logp = torch.full((2, 4), -1.0)
+    behaviour = logp.clone()
+    behaviour[0, :3] -= math.log(5.0)  # 3 of sequence 0's 4 tokens far off-policy: masked
+    mask, adv = torch.ones(2, 4), torch.ones(2)
+    lp = logp.clone().requires_grad_(True)
+    policy_loss(lp, behaviour, adv, mask, cfg)[0].backward()
+    # on-policy kept tokens (w = r = 1): d loss / d logp = -A / (generated tokens = 8); masked tokens 0
+    want = torch.full((2, 4), -1 / 8)
+    want[0, :3] = 0.0
+    torch.testing.assert_close(lp.grad, want)
+    # the trainer's accumulation: each micro-batch's loss × its generated tokens / the batch's
+    split = logp.clone().requires_grad_(True)
+    for r in (0, 1):
+        loss, _ = policy_loss(split[r : r + 1], behaviour[r : r + 1], adv[r : r + 1], mask[r : r + 1], cfg)
+        (loss * mask[r].sum() / mask.sum()).backward()
+    torch.testing.assert_close(split.grad, want)
+    # per sequence too: sequence 0's one kept token weighs 1/4, not 1 (the mask must not amplify what it keeps)
+    lp.grad = None
+    policy_loss(lp, behaviour, adv, mask, LossConfig(is_mode="mask", aggregation="seq-mean-token-mean"))[0].backward()
+    want = torch.full((2, 4), -1 / 8)  # -A / (|y_b| · B)
+    want[0, :3] = 0.0
+    torch.testing.assert_close(lp.grad, want)
+
+
 def test_ppo_clip_stops_the_gradient_outside_the_trust_region():
     logp, mask = batch()
     old = logp.detach() - 0.5  # ratio e^0.5 ≈ 1.65 > 1 + clip_high
