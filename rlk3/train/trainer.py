@@ -246,6 +246,8 @@ class Trainer:
         n_tok = max(sums.get("tokens", 1.0), 1.0)  # token-weighted means over every optimizer step
         for k, v in sums.items():
             metrics[f"train/{k}"] = v if k == "is_weight_max" else v / n_tok
+        # the loss as aggregated (a token-weighted mean of micro-batch losses is that only for token-mean)
+        metrics["train/loss"] = sums.get("loss", 0.0) / len(plan)
         metrics["train/tokens"] = sums.get("tokens", 0.0) / epochs  # the batch's tokens, counted once
         grad_norm = sum(norms) / len(norms)
         metrics["train/grad_norm"] = grad_norm
@@ -324,7 +326,9 @@ class Trainer:
             # × world: FSDP averages the ranks' gradients, and each rank's loss is already its share of the total
             (loss * weight * self.world).backward()
             for k, v in m.items():
-                if k != "is_weight_max":
+                if k == "loss":  # weighted as in the backward: the sum is the minibatch's aggregate (over ranks too)
+                    sums[k] = sums.get(k, 0.0) + v * weight
+                elif k != "is_weight_max":
                     sums[k] = sums.get(k, 0.0) + v * (m["tokens"] if k != "tokens" else 1.0)
                 else:
                     sums[k] = max(sums.get(k, 0.0), v)

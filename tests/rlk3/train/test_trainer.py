@@ -87,6 +87,18 @@ def test_packing_does_not_change_the_gradient_under_masked_is(model, aggregation
             torch.testing.assert_close(one[k], split[k], atol=1e-6, rtol=1e-4, msg=k)
 
 
+@pytest.mark.parametrize("aggregation,want", [("token-mean", 0.4), ("seq-mean-token-mean", 0.0),
+                                              ("seq-mean-token-sum", 2.0)])
+def test_the_logged_loss_is_the_aggregate_whatever_the_packing(model, aggregation, want):
+    # GRPO advantages +1/-1 in two groups of 2, generated lengths 2, 10, 4, 4; on-policy, the per-token loss is -A:
+    # token-mean -(2 - 10 + 4 - 4) / 20 = 0.4; seq-mean-token-mean -(1 - 1 + 1 - 1) / 4 = 0; seq-mean-token-sum
+    # -(2 - 10 + 4 - 4) / 4 = 2 — in one micro-batch and in several
+    trajs = [traj(model, f"u{i}", f"g{i // 2}", 1.0 - i % 2, seed=i, gen=(2, 10, 4, 4)[i]) for i in range(4)]
+    for tokens in (10_000, 12):
+        m = Trainer(copy.deepcopy(model), cfg(micro_batch_tokens=tokens, aggregation=aggregation))
+        assert m.step(copy.deepcopy(trajs))["train/loss"] == pytest.approx(want, abs=1e-5), tokens
+
+
 def test_stale_tokens_are_corrected_per_token(model):
     # behaviour log-probs 0.5 nats below the current policy: w = e^0.5 ≈ 1.65; truncated IS caps it, masked IS drops it
     trajs = [traj(model, "a", "g", 1.0, seed=1, stale=0.5), traj(model, "b", "g", 0.0, seed=2, stale=0.5)]
