@@ -130,6 +130,7 @@ def policy_loss(
             "is_weight_mean": float((w * m).sum() / n),
             "is_weight_max": float(w[m].max()) if m.any() else 0.0,
             "is_masked_frac": float((m & ~keep).sum() / n),
+            # behaviour ≠ π_old; the trainer, which knows each token's policy version, logs that count instead
             "stale_frac": float(((old - behaviour_logp).abs() > 1e-6)[m].float().mean()) if m.any() else 0.0,
         }
         if kl is not None:

@@ -59,6 +59,7 @@ class Batch:
     empty: bool = False  # a placeholder pass: this rank has less data than another (data parallel)
     valid: torch.Tensor | None = None  # [B, T] bool, False on padding: Quantile Balancing counts real tokens only
     prefix: SharedPrefix | None = None
+    versions: torch.Tensor | None = None  # [B, T-1] the policy version that sampled each target (-1 elsewhere)
 
 
 class Trainer:
@@ -118,6 +119,7 @@ class Trainer:
         mask = torch.zeros(len(trajs), T - 1)
         beh = torch.zeros(len(trajs), T - 1)
         adv = torch.zeros(len(trajs), T - 1)
+        ver = torch.full((len(trajs), T - 1), -1, dtype=torch.long)
         for r, (t, a, c) in enumerate(zip(trajs, advs, cut)):
             n = len(t.token_ids) - c
             ids[r, :n] = torch.tensor(t.token_ids[c:])
@@ -129,7 +131,8 @@ class Trainer:
             skip = t.loss_mask[0]
             beh[r, pos] = torch.tensor(t.behaviour_logprobs[skip:], dtype=torch.float32)
             adv[r, pos] = a[skip:]
-        return Batch(ids, mask, beh, adv, valid=valid)
+            ver[r, pos] = torch.tensor(t.policy_versions[skip:], dtype=torch.long)
+        return Batch(ids, mask, beh, adv, valid=valid, versions=ver)
 
     def _pack_shared(self, trajs: list[Trajectory], advs: list[torch.Tensor]) -> list[Batch]:
         """``train.share_prompts``: a group's shared prefix is its members' common prompt up to the first generated
@@ -321,6 +324,11 @@ class Trainer:
                     b.ref, _ = token_logprobs(self._logits(self.ref_model, b), ids[:, 1:], self.temperature)
             loss, m = policy_loss(logp, b.behaviour.to(self.device), b.adv.to(self.device), mask, self.loss_cfg,
                                   old_logp=b.old, ref_logp=b.ref, entropy=ent)
+            if b.versions is not None:
+                # stale = sampled by an older policy version than the one training (a resumed partial rollout,
+                # an overlapped rollout), counted from the versions: the behaviour log-probs also differ from the
+                # trainer's by the engine's numerics (bf16, another kernel), which is not staleness
+                m["stale_frac"] = float(((b.versions < self.version) & (b.mask > 0)).sum()) / max(m["tokens"], 1)
             weight = (float(mask.sum()) / max(total_tokens, 1.0) if self.cfg.aggregation == "token-mean"
                       else (0.0 if b.empty else b.ids.shape[0]) / total_seqs)
             # × world: FSDP averages the ranks' gradients, and each rank's loss is already its share of the total

@@ -113,6 +113,16 @@ def test_stale_tokens_are_corrected_per_token(model):
         assert torch.equal(x, y)
 
 
+def test_stale_frac_counts_tokens_of_older_policy_versions_not_engine_rounding(model):
+    # behaviour log-probs 1e-4 nats off the trainer's (an engine's numerics), one sample from the previous version:
+    # half the tokens are stale, whatever the rounding
+    a, b = traj(model, "a", "g", 1.0, seed=1, stale=1e-4), traj(model, "b", "g", 0.0, seed=2, stale=1e-4)
+    b.policy_versions = [1] * b.num_generated
+    tr = Trainer(copy.deepcopy(model), cfg())
+    tr.version = 1
+    assert tr.step([a, b])["train/stale_frac"] == pytest.approx(0.5)
+
+
 def test_quantile_balancing_updates_the_bias_and_ships_it(model):
     m = copy.deepcopy(model)
     tr = Trainer(m, cfg(qb_update=True))
