@@ -255,7 +255,11 @@ def _merge(base: DictConfig, extra: DictConfig | dict, where: str) -> DictConfig
         valid = sorted(node.keys()) if isinstance(node, DictConfig) else []
         raise ConfigError(f"{where}: unknown key {key!r}; valid keys here: {valid}") from None
     except ValidationError as e:
-        raise ConfigError(f"{where}: {e.full_key}: {e.msg.splitlines()[0]}") from None
+        # a section set to a plain value ({train: 3}) raises with neither a message nor a key
+        msg = e.msg.splitlines()[0] if e.msg else "a value of the wrong type (a section takes a mapping of its keys)"
+        raise ConfigError(f"{where}: {e.full_key}: {msg}" if e.full_key else f"{where}: {msg}") from None
+    except TypeError as e:  # omegaconf merging a mapping onto a list or the reverse ("tasks.domains={}")
+        raise ConfigError(f"{where}: {e} (a list key needs [a, b], a mapping key {{k: v}})") from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

@@ -89,6 +89,12 @@ def test_composes_defaults_file_and_overrides(tmp_path):
          r"mopd.overrides: rollout.temperature must be in"),
         ("defaults: [stage/sft]\n", ["sft.habit_stage.domain_demos={agentic: 10}", "tasks.domains=[general]"],
          r"sft.habit_stage.domain_demos.agentic=10 needs 'agentic' in tasks.domains"),
+        # a mapping where a list belongs (or the reverse), a section set to a value: omegaconf's TypeError and
+        # AttributeError leaked
+        ("defaults: [stage/rl]\n", ["tasks.domains={}"], r"override 'tasks.domains=\{\}': .*a list key needs"),
+        ("defaults: [stage/rl]\n", ["rollout.engine=[]"], r"override 'rollout.engine=\[\]': .*a mapping key"),
+        ("defaults: [stage/teachers]\n", ["teachers.overrides.general.train=3"],
+         r"teachers.overrides.general: derived config \(train\): .*a section takes a mapping of its keys"),
     ],
 )
 def test_bad_configs_name_the_key_and_valid_values(tmp_path, text, overrides, match):
