@@ -437,7 +437,9 @@ def _in(key: str, value, valid) -> None:
 
 
 def _range(key: str, value, lo=None, hi=None, lo_open=False) -> None:
-    bad = (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and value > hi)
+    # NaN compares false with everything, so it passed every bound: a nan learning rate or temperature ran
+    bad = value != value or (lo is not None and (value <= lo if lo_open else value < lo)) or (
+        hi is not None and value > hi)
     if bad:
         lo_s = "-inf" if lo is None else f"{lo}"
         hi_s = "inf" if hi is None else f"{hi}"

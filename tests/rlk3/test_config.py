@@ -95,6 +95,10 @@ def test_composes_defaults_file_and_overrides(tmp_path):
         ("defaults: [stage/rl]\n", ["rollout.engine=[]"], r"override 'rollout.engine=\[\]': .*a mapping key"),
         ("defaults: [stage/teachers]\n", ["teachers.overrides.general.train=3"],
          r"teachers.overrides.general: derived config \(train\): .*a section takes a mapping of its keys"),
+        ("defaults: [stage/rl]\n", ["train.lr=nan"], r"train.lr must be in \(0, inf\], got nan"),
+        ("defaults: [stage/rl]\n", ["rollout.temperature=nan"], r"rollout.temperature must be in \(0, inf\], got nan"),
+        ("defaults: [stage/sft]\n", ["sft.effort_weights={low: nan}"], r"sft.effort_weights.low must be in \[0, inf\]"),
+        ("defaults: [stage/demo]\n", ["mopd.overrides.train.lr=nan"], r"mopd.overrides: train.lr must be in"),
     ],
 )
 def test_bad_configs_name_the_key_and_valid_values(tmp_path, text, overrides, match):
