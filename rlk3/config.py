@@ -485,10 +485,14 @@ def validate(cfg: Config) -> None:
             "the budget anneals downward"
         )
     _in("effort.schedule", cfg.effort.schedule, KINDS)
+    _range("effort.anneal_steps", cfg.effort.anneal_steps, 0)  # BudgetSchedule raised in the rollout worker
     if not cfg.harness.presets or any(w < 0 for w in cfg.harness.presets.values()):
         raise ConfigError(f"harness.presets must map preset names to weights >= 0, got {dict(cfg.harness.presets)}")
     _range("harness.max_turns", cfg.harness.max_turns, 1)
     _range("sft.lr", cfg.sft.lr, 0, lo_open=True)
+    _range("sft.epochs", cfg.sft.epochs, 0, lo_open=True)
+    if not 0 <= cfg.sft.warmup_ratio < 1:  # HF's warmup_steps: a float in [0, 1) is a ratio of the total steps
+        raise ConfigError(f"sft.warmup_ratio must be in [0, 1), got {cfg.sft.warmup_ratio!r}")
     _range("sft.batch_size", cfg.sft.batch_size, 1)
     _range("sft.demos_per_domain", cfg.sft.demos_per_domain, 1)
     for d, n in cfg.sft.domain_demos.items():
@@ -538,6 +542,8 @@ def validate(cfg: Config) -> None:
         )
     t = cfg.train
     _range("cluster.train_workers", cfg.cluster.train_workers, 1)
+    _range("cluster.num_gpus", cfg.cluster.num_gpus, 0)
+    _range("cluster.cpu_threads", cfg.cluster.cpu_threads, 0)  # torch.set_num_threads(-1) raised in each worker
     _range("teachers.parallel", cfg.teachers.parallel, 0)
     _in("cluster.weight_sync", cfg.cluster.weight_sync, WEIGHT_SYNC_MODES)
     if cfg.train.share_prompts and cfg.cluster.train_workers > 1:
@@ -567,12 +573,17 @@ def validate(cfg: Config) -> None:
         )
     _range("train.lr", t.lr, 0, lo_open=True)
     _range("train.warmup_steps", t.warmup_steps, 0)
+    _range("train.weight_decay", t.weight_decay, 0)
+    _range("train.grad_clip", t.grad_clip, 0, lo_open=True)  # clip_grad_norm_ with max_norm <= 0 zeroes/flips grads
+    _range("train.micro_batch_tokens", t.micro_batch_tokens, 1)
+    _range("train.qb_bins", t.qb_bins, 1)
     if not 0 < t.adam_beta2 < 1:
         raise ConfigError(f"train.adam_beta2 must be in (0, 1), got {t.adam_beta2!r} (0.999 is AdamW's default)")
     _in("train.estimator", t.estimator, ESTIMATORS)
     _in("train.is_mode", t.is_mode, IS_MODES)
     _in("train.aggregation", t.aggregation, AGGREGATIONS)
     _range("train.clip_low", t.clip_low, 0, 1)
+    _range("train.clip_high", t.clip_high, 0)  # LossConfig raised it in the trainer, after allocation
     _range("train.is_cap", t.is_cap, 1)
     if not 0 < t.is_low <= 1 <= t.is_high:
         raise ConfigError(f"train.is_low/is_high must satisfy 0 < is_low <= 1 <= is_high, got {t.is_low}, {t.is_high}")
@@ -585,6 +596,8 @@ def validate(cfg: Config) -> None:
     if t.minibatches > per_iteration:
         raise ConfigError(f"train.minibatches={t.minibatches} is more than the {per_iteration} samples an iteration "
                           f"trains on (rollout.groups_per_iteration x rollout.group_size); use at most {per_iteration}")
+    _range("mopd.max_resident", cfg.mopd.max_resident, 1)
+    _range("mopd.iterations", cfg.mopd.iterations, 0)
     if cfg.run.stage == "mopd":
         if not cfg.mopd.teachers:
             raise ConfigError("mopd.teachers is empty: map each 'domain/effort' the student trains on to a checkpoint")

@@ -99,6 +99,19 @@ def test_composes_defaults_file_and_overrides(tmp_path):
         ("defaults: [stage/rl]\n", ["rollout.temperature=nan"], r"rollout.temperature must be in \(0, inf\], got nan"),
         ("defaults: [stage/sft]\n", ["sft.effort_weights={low: nan}"], r"sft.effort_weights.low must be in \[0, inf\]"),
         ("defaults: [stage/demo]\n", ["mopd.overrides.train.lr=nan"], r"mopd.overrides: train.lr must be in"),
+        # keys no rule covered: each failed (or silently misbehaved) once the run had started
+        ("defaults: [stage/rl]\n", ["effort.anneal_steps=-1"], r"effort.anneal_steps must be in \[0, inf\], got -1"),
+        ("defaults: [stage/sft]\n", ["sft.epochs=0"], r"sft.epochs must be in \(0, inf\], got 0"),
+        ("defaults: [stage/sft]\n", ["sft.warmup_ratio=-0.1"], r"sft.warmup_ratio must be in \[0, 1\), got -0.1"),
+        ("defaults: [stage/rl]\n", ["cluster.cpu_threads=-1"], r"cluster.cpu_threads must be in \[0, inf\], got -1"),
+        ("defaults: [stage/rl]\n", ["cluster.num_gpus=-1"], r"cluster.num_gpus must be in \[0, inf\], got -1"),
+        ("defaults: [stage/rl]\n", ["train.weight_decay=-1"], r"train.weight_decay must be in \[0, inf\], got -1"),
+        ("defaults: [stage/rl]\n", ["train.grad_clip=-1"], r"train.grad_clip must be in \(0, inf\], got -1"),
+        ("defaults: [stage/rl]\n", ["train.micro_batch_tokens=0"], r"train.micro_batch_tokens must be in \[1, inf\]"),
+        ("defaults: [stage/rl]\n", ["train.qb_bins=0"], r"train.qb_bins must be in \[1, inf\], got 0"),
+        ("defaults: [stage/rl]\n", ["train.clip_high=-0.1"], r"train.clip_high must be in \[0, inf\], got -0.1"),
+        ("defaults: [stage/demo]\n", ["mopd.max_resident=0"], r"mopd.max_resident must be in \[1, inf\], got 0"),
+        ("defaults: [stage/demo]\n", ["mopd.iterations=-1"], r"mopd.iterations must be in \[0, inf\], got -1"),
     ],
 )
 def test_bad_configs_name_the_key_and_valid_values(tmp_path, text, overrides, match):
