@@ -532,7 +532,6 @@ def validate(cfg: Config) -> None:
     _range("rollout.max_staleness", r.max_staleness, 0)
     _in("rollout.top_up", r.top_up, TOP_UP_MODES)
     _in("rollout.sampler", r.sampler, (*SAMPLERS, None))
-    _check_engine(cfg)
     _range("rollout.temperature", r.temperature, 0, lo_open=True)
     _range("rollout.top_p", r.top_p, 0, 1, lo_open=True)
     _range("rollout.max_new_tokens", r.max_new_tokens, 1)
@@ -540,6 +539,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"rollout.max_total_tokens ({r.max_total_tokens}) must be >= max_new_tokens ({r.max_new_tokens})"
         )
+    # every stage but rl draws its prompts' efforts from here (rollout/partial.py: rng.choice of an empty list)
+    if not r.efforts:
+        raise ConfigError(f"rollout.efforts must name at least one of {list(EFFORTS)}")
+    for i, e in enumerate(r.efforts):
+        _in(f"rollout.efforts[{i}]", e, EFFORTS)
+    _check_engine(cfg)  # after max_total_tokens: its errors name that key, not the engine's max_model_len
     t = cfg.train
     _range("cluster.train_workers", cfg.cluster.train_workers, 1)
     _range("cluster.num_gpus", cfg.cluster.num_gpus, 0)

@@ -112,6 +112,11 @@ def test_composes_defaults_file_and_overrides(tmp_path):
         ("defaults: [stage/rl]\n", ["train.clip_high=-0.1"], r"train.clip_high must be in \[0, inf\], got -0.1"),
         ("defaults: [stage/demo]\n", ["mopd.max_resident=0"], r"mopd.max_resident must be in \[1, inf\], got 0"),
         ("defaults: [stage/demo]\n", ["mopd.iterations=-1"], r"mopd.iterations must be in \[0, inf\], got -1"),
+        ("defaults: [stage/mopd]\n", ["rollout.efforts=[]", "mopd.teachers={general/low: x}"],
+         r"rollout.efforts must name at least one of \['low', 'medium', 'high'\]"),
+        ("defaults: [stage/teachers]\n", ["rollout.efforts=[max]"], r"rollout.efforts\[0\] must be one of \['low'"),
+        ("defaults: [stage/rl]\n", ["rollout.max_total_tokens=0"],
+         r"rollout.max_total_tokens \(0\) must be >= max_new_tokens \(256\)"),
     ],
 )
 def test_bad_configs_name_the_key_and_valid_values(tmp_path, text, overrides, match):
