@@ -144,13 +144,12 @@ CGROUP_ROOT = "/sys/fs/cgroup"  # v2 mounted here; v1 controllers at CGROUP_ROOT
 _V1_UNLIMITED = 1 << 62
 
 
-def _cpu_available_bytes(meminfo: str | None = None, proc_cgroup: str | None = None,
-                         cgroup_root: str | None = None) -> int | None:
+def _cpu_available_bytes() -> int | None:
     """What a new allocation can take on the CPU: the smaller of ``MemAvailable`` and the memory cgroup's headroom.
     In a container ``MemAvailable`` is the host's: a pool sized from it, or checked against it, passes and then
     gets the container OOM-killed once its pages are touched. None when neither can be read."""
-    avail = _meminfo_available(meminfo or MEMINFO)
-    room = _cgroup_headroom(proc_cgroup or PROC_CGROUP, cgroup_root or CGROUP_ROOT)
+    avail = _meminfo_available(MEMINFO)
+    room = _cgroup_headroom(PROC_CGROUP, CGROUP_ROOT)
     if avail is None or room is None:
         return room if avail is None else avail
     return min(avail, room)
