@@ -49,6 +49,15 @@ async def _episodes(loop, tasks, effort="low", budget=None, uid_prefix="u"):
         await loop.front.close()
 
 
+
+def _worst_logprob_gap(model, traj) -> float:
+    """The largest gap between a trajectory's behaviour log-probs and log-softmax of the full forward over its
+    stream (T = 1): the trainer's view of the same tokens."""
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([traj.token_ids])).logits[0].float(), -1)
+    pos = [i for i, m in enumerate(traj.loss_mask) if m]
+    return max(abs(logp[i - 1, traj.token_ids[i]].item() - b) for i, b in zip(pos, traj.behaviour_logprobs))
+
 def test_episodes_are_valid_graded_and_logprobs_match_the_model(model, tok):
     loop = general_loop(model, tok, max_turn_tokens=24, seed=3)
     tasks = get_tasks("general", "heldout", 6)
@@ -61,12 +70,7 @@ def test_episodes_are_valid_graded_and_logprobs_match_the_model(model, tok):
         assert set(t.policy_versions) == {0}
         assert 1 <= t.num_generated <= 24
         # the behaviour logprobs are log-softmax(logits) of the full forward over the stream (T = 1)
-        ids = torch.tensor([t.token_ids])
-        with torch.no_grad():
-            logp = torch.log_softmax(model(ids).logits[0].float(), -1)
-        pos = [i for i, m in enumerate(t.loss_mask) if m]
-        ref = [logp[i - 1, t.token_ids[i]].item() for i in pos]
-        assert max(abs(a - b) for a, b in zip(ref, t.behaviour_logprobs)) < 1e-4
+        assert _worst_logprob_gap(model, t) < 1e-4
         assert t.group_id == task.task_id
 
 
@@ -278,12 +282,7 @@ def test_a_turn_cut_short_sends_its_end_token_to_the_engine(model, tok):
     traj = run(_episodes(loop, [task]))[0]
     end = tok.convert_tokens_to_ids("<|im_end|>")
     assert traj.metrics["loop"]["turns"] == 3 and traj.token_ids.count(end) >= 4  # system, user, 3 cut turns
-    ids = torch.tensor([traj.token_ids])
-    with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits[0].float(), -1)
-    pos = [i for i, m in enumerate(traj.loss_mask) if m]
-    ref = [logp[i - 1, traj.token_ids[i]].item() for i in pos]
-    assert max(abs(a - b) for a, b in zip(ref, traj.behaviour_logprobs)) < 1e-4
+    assert _worst_logprob_gap(model, traj) < 1e-4
 
 
 def test_an_episode_that_raises_aborts_its_engine_request(model, tok):
