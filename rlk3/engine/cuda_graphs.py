@@ -25,6 +25,8 @@ import torch
 from rlk3.engine.pool import PagedPool
 from rlk3.engine.runner import ForwardBatch, GraphPad, KdaSplit, ModelRunner, decode_conv_indices, split_static
 
+INITIAL_TOKENS = 4096  # the decode graphs' first block-table width, in tokens (it grows with the sequences)
+
 
 class DecodeGraphs:
     def __init__(self, runner: ModelRunner, pool: PagedPool, config):
@@ -34,7 +36,12 @@ class DecodeGraphs:
         layout = pool.layout
         self.pages_per_slot = layout.pages_per_slot
         max_len = config.max_model_len or pool.num_pages * layout.block_size
-        self.width = max(1, min(math.ceil(max_len / layout.block_size), pool.num_pages))
+        self.max_width = max(1, min(math.ceil(max_len / layout.block_size), pool.num_pages))
+        # the block table's width (pages a row can hold) starts at INITIAL_TOKENS and doubles when a longer sequence
+        # decodes, the graphs captured again at each growth. Sized up front it was max batch x every page of the pool
+        # whenever max_model_len was unset: 8.3 GB of int64 for k3-tiny's small pages at a 100 GB pool, outside the
+        # pool's budget. It also keeps the Triton decode's split count (from the table's width) near the eager one.
+        self.width = min(self.max_width, math.ceil(INITIAL_TOKENS / layout.block_size))
         scratch = pool.alloc(self.pages_per_slot + 1)
         if scratch is None:
             raise RuntimeError("cuda graphs: no free pages for the scratch slot")
@@ -124,12 +131,27 @@ class DecodeGraphs:
         self._reset_rows(n, self.dirty_rows)
         self.dirty_rows, self.dirty_cols = n, width
 
+    def _widen(self, width: int) -> None:
+        """A table of at least ``width`` columns (a power of two, at most ``max_width``); the graphs that read the
+        old one are dropped and captured again on use. A replay still in flight keeps its graph and table alive:
+        CUDA frees a destroyed graph at its completion, and the caching allocator reuses the old table's memory
+        only after the work queued on this stream."""
+        self.width = min(self.max_width, 1 << (width - 1).bit_length())
+        self.block_tables = torch.full((len(self.rows), self.width), self.scratch[-1], dtype=torch.long,
+                                       device=self.pool.device)
+        self.dirty_cols = 0  # every column is the scratch page again; rows' other inputs stay as they are
+        self.graphs.clear()
+        self.outputs.clear()
+        self.batches.clear()
+
     def run(self, batch: ForwardBatch) -> torch.Tensor | None:
         """Logits of a decode-only batch by graph replay, or None when no captured size fits (run it eagerly)."""
-        n = batch.num_decode
+        n, width = batch.num_decode, batch.block_tables.shape[1]
         size = next((s for s in self.sizes if s >= n), None)
-        if size is None or batch.prefill_lens or batch.block_tables.shape[1] > self.width:
+        if size is None or batch.prefill_lens or width > self.max_width:
             return None
+        if width > self.width:
+            self._widen(width)
         if size not in self.graphs:
             self._capture(size)
         self.load(batch, size)
@@ -208,6 +230,19 @@ class PrefillGraphs:
 
     def scratch_page(self) -> int:
         return self.scratch[-1]
+
+    def _widen(self, width: int) -> None:
+        """A table of at least ``width`` columns (a power of two, at most ``max_width``); the graphs that read the
+        old one are dropped and captured again on use. A replay still in flight keeps its graph and table alive:
+        CUDA frees a destroyed graph at its completion, and the caching allocator reuses the old table's memory
+        only after the work queued on this stream."""
+        self.width = min(self.max_width, 1 << (width - 1).bit_length())
+        self.block_tables = torch.full((len(self.rows), self.width), self.scratch[-1], dtype=torch.long,
+                                       device=self.pool.device)
+        self.dirty_cols = 0  # every column is the scratch page again; rows' other inputs stay as they are
+        self.graphs.clear()
+        self.outputs.clear()
+        self.batches.clear()
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits of the batch's real logit rows; the batch is padded (``batch.pad``)."""

@@ -375,3 +375,27 @@ def test_a_shrinking_decode_batch_loads_into_the_graph_without_waiting_for_the_g
     assert torch.equal(graphs.slot_pages[0], real)
     assert (graphs.slot_pages[1:] == graphs.scratch_row).all()
     assert (graphs.write_pages[1:] == graphs.scratch[-1]).all()
+
+
+def test_the_decode_graphs_block_table_grows_with_the_longest_sequence():
+    """With ``max_model_len`` unset the decode graphs' block table was sized for one sequence holding the whole
+    pool: the largest captured batch x every page, in int64, outside the pool's budget. It now starts 4,096 tokens
+    wide and doubles, captured again, when a longer sequence decodes; what the graphs compute stays what eager
+    decode computes."""
+    from rlk3.engine.cuda_graphs import INITIAL_TOKENS
+
+    model = make_model("k3-tiny", torch.float32)
+    cfg = dict(memory_bytes=2**29, block_size=16, compile=False)
+    engine = RolloutEngine(model, EngineConfig(**cfg))
+    graphs = engine._graphs
+    assert graphs.max_width == engine.pool.num_pages > 4 * graphs.width
+    assert graphs.block_tables.shape == (max(graphs.sizes), INITIAL_TOKENS // 16)
+    prompts = make_prompts(model.config.vocab_size, [5000, 30, 70])  # 313 pages after 8 tokens: a table of 512
+    sampling = SamplingParams(max_tokens=8, temperature=0)
+    graphed = engine.generate(prompts, sampling)
+    assert graphs.width == 512 and graphs.block_tables.shape[1] == 512 and graphs.graphs
+    eager = RolloutEngine(model, EngineConfig(**cfg, cuda_graphs=False)).generate(prompts, sampling)
+    for a, b in zip(graphed, eager, strict=True):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-4
+    engine.check_invariants()
