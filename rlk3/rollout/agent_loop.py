@@ -12,10 +12,10 @@ its new tokens.
 
 **Pause and resume** (partial rollouts, issue 7). ``AgentLoop.pause()`` stops every running episode at its next
 token (the engine keeps its MLA blocks and KDA state) or, for an episode inside a tool call, right after the call;
-the episode returns a ``PAUSED`` trajectory whose ``metrics["loop"]`` says where it stopped. ``run(..., resume=traj)``
-continues it: the engine request is resumed (or extended with the tokens it has not seen yet); when the engine no
-longer knows the request (a restarted actor, a checkpoint reload) the stream is prefilled again as a new request
-and the open turn continues from its last token. The sandbox is paused with the episode and resumed with it.
+the episode returns a ``PAUSED`` trajectory whose ``metrics["loop"]`` says where it stopped. ``run(task, traj)`` with
+that trajectory continues it: the engine request is resumed (or extended with the tokens it has not seen yet); when
+the engine no longer knows the request (a restarted actor, a checkpoint reload) the stream is prefilled again as a new
+request and the open turn continues from its last token. The sandbox is paused with the episode and resumed with it.
 
 **Budget.** A turn may generate at most ``budget + 1 − generated`` tokens: an episode that goes over its budget
 stops at the first token past it (``TRUNCATED``, ``metrics["over_budget"]``); the effort grade turns that into −1.
