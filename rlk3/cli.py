@@ -1,8 +1,9 @@
 """``python -m rlk3 <stage> <config.yaml> [key=value ...]``: one entry point for every stage.
 
-Stages: ``sft`` (demonstrations → the checkpoint RL starts from), ``rl`` (one effort-budget teacher), ``mopd``
-(distil the teachers into one student), ``eval`` (held-out slices of a checkpoint or manifest). The config is
-composed and validated before anything is allocated (``rlk3.config``); ``--print-config`` shows the result.
+Stages: ``sft`` (demonstrations → the checkpoint RL starts from), ``rl`` (one effort-budget teacher), ``teachers``
+(the nine teachers), ``mopd`` (distil the teachers into one student), ``demo`` (all of them, then ``eval``), ``eval``
+(every model of a manifest on the held-out slices: ``python -m rlk3 eval <manifest.json> [n=40]``, no config). The
+config is composed and validated before anything is allocated (``rlk3.config``); ``--print-config`` shows the result.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
 
         n = next((int(o.split("=", 1)[1]) for o in args.overrides if o.startswith("n=")), None)
         if not Path(args.config).is_file():
-            print(f"eval: no manifest at {args.config} (the demo and teachers stages write one)", file=sys.stderr)
+            print(f"eval: no manifest at {args.config} (the demo stage writes one: <run.output_dir>/manifest.json)",
+                  file=sys.stderr)
             return 2
         pipeline.run_eval(args.config, n)
         return 0

@@ -192,3 +192,12 @@ def test_rollout_sampler_reaches_the_rollout_engine(tmp_path, sampler):
     cfg = load_config(write(tmp_path, "defaults: [stage/rl]\n"), [f"rollout.sampler={sampler or 'null'}"])
     engine = engine_config(cfg)
     assert engine.sampler == sampler and engine.max_model_len == cfg.rollout.max_total_tokens
+
+
+def test_eval_without_a_manifest_names_the_stage_that_writes_one(tmp_path, capsys):
+    # the teachers stage writes teachers.json, not a manifest: the message sent users to a file that never appears
+    from rlk3.cli import main
+
+    assert main(["eval", str(tmp_path / "manifest.json")]) == 2
+    err = capsys.readouterr().err
+    assert "no manifest at" in err and "the demo stage writes one" in err and "teachers" not in err
