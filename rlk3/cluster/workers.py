@@ -12,6 +12,7 @@ rlk3/cluster/weight_sync.py).
 from __future__ import annotations
 
 import asyncio
+import copy
 import os
 from pathlib import Path
 
@@ -214,8 +215,9 @@ class TrainWorker:
         model = model.to(device)
         ref = None
         if cfg.train.kl_coef > 0:
-            ref, _ = build_policy(cfg)
-            ref = ref.to(device).eval().requires_grad_(False)
+            # the anchor is the policy's starting weights: a copy, not a second build_policy, which without
+            # model.init_from draws another random model from the advanced RNG
+            ref = copy.deepcopy(model).eval().requires_grad_(False)
         self.trainer = Trainer(model, cfg.train, temperature=cfg.rollout.temperature or 1.0, ref_model=ref)
 
     def step(self, trajs: list[dict]) -> dict:
