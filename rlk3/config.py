@@ -32,7 +32,7 @@ class ModelConfig:
     preset: str = "k3-tiny"  # a K3Config preset
     overrides: dict[str, Any] = field(default_factory=dict)  # K3Config keys on top of the preset
     init_from: str | None = None  # a checkpoint directory (HF format) to start from
-    dtype: str = "float32"  # float32 | bfloat16
+    dtype: str = "float32"  # float32 | bfloat16: SFT's mixed precision and the RL rollout engine's weights and caches
 
 
 @dataclass

@@ -74,6 +74,9 @@ class RolloutWorker:
         setup_process(cfg)
         self.cfg = cfg
         model, self.tokenizer = build_policy(cfg)
+        # generation runs at model.dtype (k3-small's bfloat16 halves the bytes a decode step reads); the trainer keeps
+        # float32 weights, which update_weights casts into the engine's
+        model = model.to(getattr(torch, cfg.model.dtype))
         if torch.cuda.is_available():  # a Ray actor sees the GPU of its bundle only (cluster.num_gpus > 0)
             model = model.cuda()
         self.engine = RolloutEngine(model.eval(), engine_config(cfg))
@@ -212,7 +215,7 @@ class TrainWorker:
         # a Ray actor sees only its bundle's GPU (none when cluster.num_gpus is 0)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         model, self.tokenizer = build_policy(cfg)
-        model = model.to(device)
+        model = model.to(device, torch.float32)  # float32 weights and optimizer state, whatever the checkpoint's dtype
         ref = None
         if cfg.train.kl_coef > 0:
             # the anchor is the policy's starting weights: a copy, not a second build_policy, which without
