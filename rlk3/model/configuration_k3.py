@@ -18,6 +18,7 @@ off the model is Kimi Linear (``rlk3.model.convert.from_kimi_linear`` relies on 
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from numbers import Integral, Real
 
 import torch
@@ -115,8 +116,13 @@ class K3Config(PretrainedConfig):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
+        # the default layout needs an int layer count: any other is refused by validate_k3 (naming it), not by a
+        # TypeError here; a layout that is not a sequence of layers is kept as given, for it to name
+        if full_attn_layers is None:
+            full_attn_layers = _mla_every_fourth(num_hidden_layers) if isinstance(num_hidden_layers, Integral) else []
         self.full_attn_layers = (
-            list(full_attn_layers) if full_attn_layers is not None else _mla_every_fourth(num_hidden_layers)
+            list(full_attn_layers) if isinstance(full_attn_layers, Iterable) and not isinstance(full_attn_layers, str)
+            else full_attn_layers
         )
         self.final_layer_global = final_layer_global
         self.kda_num_heads = kda_num_heads
@@ -151,8 +157,10 @@ class K3Config(PretrainedConfig):
         self.rms_norm_eps = rms_norm_eps
         self.initializer_range = initializer_range
         self.use_cache = use_cache
-        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+        # before PretrainedConfig's init, which reads layer_types: a bad layer count or layout raised a TypeError
+        # there instead of the K3ConfigError naming it
         self.validate_k3()
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     # ---------------------------------------------------------------- presets and derived facts
 

@@ -30,7 +30,7 @@ def test_unknown_preset_lists_valid_ones():
         ({"full_attn_layers": [0, 8]}, r"layer 0 is out of range"),
         ({"full_attn_layers": [4]}, r"must include the last layer 8 when final_layer_global=True"),
         ({"full_attn_layers": [8, 4]}, r"strictly increasing"),
-        ({"full_attn_layers": "4,8"}, r"must be a list of 1-indexed layer numbers"),
+        ({"full_attn_layers": "4,8"}, r"must be a list of 1-indexed layer numbers, got '4,8'"),
         ({"hidden_size": 0}, r"K3Config.hidden_size must be an int >= 1, got 0"),
         ({"kda_num_heads": 2.5}, r"K3Config.kda_num_heads must be an int >= 1, got 2.5"),
         ({"kda_gate": "relu"}, r"K3Config.kda_gate must be one of \['bounded', 'softplus'\], got 'relu'"),
@@ -44,6 +44,10 @@ def test_unknown_preset_lists_valid_ones():
         ({"situ_beta": 0}, r"situ_beta must be a number > 0"),
         ({"kda_head_dim": 512}, r"kda_head_dim must be <= 256"),
         ({"attn_res_block_size": -1}, r"attn_res_block_size must be an int >= 0"),
+        # the default layout was computed from these before validation: a TypeError named neither key nor value
+        ({"num_hidden_layers": "8"}, r"K3Config.num_hidden_layers must be an int >= 1, got '8'"),
+        ({"num_hidden_layers": 2.5}, r"K3Config.num_hidden_layers must be an int >= 1, got 2.5"),
+        ({"full_attn_layers": 8}, r"full_attn_layers must be a list of 1-indexed layer numbers, got 8"),
     ],
 )
 def test_invalid_config_names_key_and_valid_range(overrides, match):
