@@ -360,6 +360,41 @@ def _check_engine(cfg: Config) -> None:
         raise ConfigError(f"rollout.engine: {e}") from None
 
 
+# the K3Config keys the stages set themselves (rlk3/train/sft.py, rlk3/cluster/workers.py): an override would be dropped
+MODEL_FROM_RUN = {"vocab_size": "the tokenizer's size (sft.vocab_size bounds it at the sft stage; an RL run without "
+                                "model.init_from uses the built-in tokenizer)"}
+
+
+def _check_model_overrides(cfg: Config) -> None:
+    """``model.overrides``: K3Config keys, none the run sets, values K3Config accepts on top of ``model.preset``.
+    Checked by building the K3Config (cheap; the model is not built): the stages build it inside a Ray actor or
+    after SFT's demonstrations, where a bad value used to surface."""
+    import difflib
+    import inspect
+
+    from rlk3.model.configuration_k3 import K3Config, K3ConfigError
+
+    overrides = _overrides(cfg, cfg.model.overrides)
+    keys = [k for k in inspect.signature(K3Config.__init__).parameters if k not in ("self", "kwargs")]
+    for key in overrides:
+        if key in MODEL_FROM_RUN:
+            raise ConfigError(f"model.overrides.{key} is set from {MODEL_FROM_RUN[key]}: leave it out")
+        if key not in keys:
+            # K3Config takes any keyword (PretrainedConfig stores it), so a misspelt key would be silently ignored
+            close = difflib.get_close_matches(str(key), keys, n=3)
+            hint = f"did you mean {close}? " if close else ""
+            raise ConfigError(f"model.overrides: unknown key {key!r}; {hint}K3Config's keys (docs/model.md): "
+                              f"{sorted(set(keys) - set(MODEL_FROM_RUN))}")
+    try:
+        K3Config.preset(cfg.model.preset, **overrides)
+    except K3ConfigError as e:
+        msg = str(e)
+        named = msg.split()[0].removeprefix("K3Config.").rstrip(":")
+        if named in overrides:  # the message names the overridden key: say where it was set
+            raise ConfigError(f"model.overrides.{msg.removeprefix('K3Config.')}") from None
+        raise ConfigError(f"model.overrides {overrides} on model.preset={cfg.model.preset!r}: {msg}") from None
+
+
 def _check_teacher_overrides(cfg: Config) -> None:
     """Each ``teachers.overrides`` entry: a domain or 'domain/effort' key, a mapping of this schema's keys, none of
     them one the stage sets itself, and values the schema accepts (checked by deriving a throwaway copy)."""
@@ -460,6 +495,7 @@ def validate(cfg: Config) -> None:
     _range("run.checkpoint_every", cfg.run.checkpoint_every, 1)
     _in("model.preset", cfg.model.preset, sorted(PRESETS))
     _in("model.dtype", cfg.model.dtype, ("float32", "bfloat16"))
+    _check_model_overrides(cfg)
     if cfg.model.init_from is not None and not Path(cfg.model.init_from).is_dir():
         raise ConfigError(f"model.init_from: checkpoint directory {cfg.model.init_from!r} does not exist")
     if not cfg.tasks.domains:

@@ -117,6 +117,27 @@ def test_composes_defaults_file_and_overrides(tmp_path):
         ("defaults: [stage/teachers]\n", ["rollout.efforts=[max]"], r"rollout.efforts\[0\] must be one of \['low'"),
         ("defaults: [stage/rl]\n", ["rollout.max_total_tokens=0"],
          r"rollout.max_total_tokens \(0\) must be >= max_new_tokens \(256\)"),
+        # model.overrides reached K3Config only inside the rollout actor (after Ray started) or after SFT's
+        # demonstrations; an unknown key was stored and ignored (PretrainedConfig takes any keyword)
+        ("defaults: [stage/rl]\n", ["model.overrides.hiden_size=64"],
+         r"model.overrides: unknown key 'hiden_size'; did you mean \['hidden_size'.*\? K3Config's keys .*'v_head_dim'"),
+        ("defaults: [stage/sft]\n", ["model.overrides.pad_token_id=0"], r"model.overrides: unknown key 'pad_token_id'"),
+        ("defaults: [stage/rl]\n", ["model.overrides.hidden_size=-5"],
+         r"model.overrides.hidden_size must be an int >= 1, got -5"),
+        ("defaults: [stage/rl]\n", ["model.overrides.num_hidden_layers=abc"],
+         r"model.overrides.num_hidden_layers must be an int >= 1, got 'abc'"),
+        ("defaults: [stage/rl]\n", ["model.overrides.kda_gate=relu"],
+         r"model.overrides.kda_gate must be one of \['bounded', 'softplus'\], got 'relu'"),
+        ("defaults: [stage/rl]\n", ["model.overrides.num_experts=4"],
+         r"model.overrides \{'num_experts': 4\} on model.preset='k3-tiny': K3Config.num_experts_per_token must be "
+         r"< num_experts=4"),
+        ("defaults: [stage/rl, model/k3-small]\n", ["model.overrides.num_hidden_layers=8"],
+         r"model.overrides \{'num_hidden_layers': 8\} on model.preset='k3-small': K3Config.full_attn_layers: layer 12 "
+         r"is out of range"),
+        ("defaults: [stage/sft]\n", ["model.overrides.vocab_size=300"],
+         r"model.overrides.vocab_size is set from the tokenizer's size \(sft.vocab_size"),
+        ("defaults: [stage/teachers]\n", ["teachers.overrides.coding.model.overrides.hidden_size=0"],
+         r"teachers.overrides.coding: model.overrides.hidden_size must be an int >= 1, got 0"),
     ],
 )
 def test_bad_configs_name_the_key_and_valid_values(tmp_path, text, overrides, match):
@@ -201,3 +222,9 @@ def test_eval_without_a_manifest_names_the_stage_that_writes_one(tmp_path, capsy
     assert main(["eval", str(tmp_path / "manifest.json")]) == 2
     err = capsys.readouterr().err
     assert "no manifest at" in err and "the demo stage writes one" in err and "teachers" not in err
+
+
+def test_model_overrides_that_k3config_accepts_load(tmp_path):
+    cfg = load_config(write(tmp_path, "defaults: [stage/rl]\n"),
+                      ["model.overrides.num_hidden_layers=2", "model.overrides.full_attn_layers=[2]"])
+    assert cfg.model.overrides == {"num_hidden_layers": 2, "full_attn_layers": [2]}
