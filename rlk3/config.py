@@ -42,8 +42,9 @@ class TasksConfig:
     train_size: int = 4096  # distinct training tasks per domain (synthetic suites are unbounded)
     heldout_size: int = 64  # held-out tasks per domain for evaluation
     heldout_sizes: dict[str, int] = field(default_factory=dict)  # per-domain exceptions, e.g. {general: 400}
-    files: dict[str, str] = field(default_factory=dict)  # domain -> local JSONL/parquet (public formats)
-    file_format: str = "gsm8k"
+    # domain -> local JSONL/parquet (public formats): not read by any stage yet, so validation refuses entries
+    files: dict[str, str] = field(default_factory=dict)
+    file_format: str = "gsm8k"  # the format of tasks.files (envs.tasks.loaders.FORMATS)
 
 
 @dataclass
@@ -513,6 +514,12 @@ def validate(cfg: Config) -> None:
     for d, n in cfg.tasks.heldout_sizes.items():
         _in("tasks.heldout_sizes key", d, DOMAINS)
         _range(f"tasks.heldout_sizes.{d}", n, 0)
+    # no stage reads task files yet (training and evaluation draw from envs.tasks' synthetic suites): a run given
+    # some would train and report on the synthetic tasks as if it had used them
+    if cfg.tasks.files:
+        raise ConfigError(f"tasks.files={dict(cfg.tasks.files)}: no stage reads task files yet (the tasks come from "
+                          f"envs.tasks' synthetic suites for {list(DOMAINS)}); leave tasks.files empty. "
+                          f"envs.tasks.loaders.load reads gsm8k/mbpp/humaneval/swe files outside the pipeline")
     _in("effort.level", cfg.effort.level, EFFORTS)
     _range("effort.budget", cfg.effort.budget, 1)
     if cfg.effort.budget_start and cfg.effort.budget_start < cfg.effort.budget:

@@ -138,6 +138,9 @@ def test_composes_defaults_file_and_overrides(tmp_path):
          r"model.overrides.vocab_size is set from the tokenizer's size \(sft.vocab_size"),
         ("defaults: [stage/teachers]\n", ["teachers.overrides.coding.model.overrides.hidden_size=0"],
          r"teachers.overrides.coding: model.overrides.hidden_size must be an int >= 1, got 0"),
+        # tasks.files was accepted and never read: the run trained on the synthetic suites instead
+        ("defaults: [stage/rl]\n", ["tasks.files={general: /data/gsm8k.jsonl}"],
+         r"tasks.files=\{'general': '/data/gsm8k.jsonl'\}: no stage reads task files yet"),
     ],
 )
 def test_bad_configs_name_the_key_and_valid_values(tmp_path, text, overrides, match):
