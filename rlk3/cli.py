@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from rlk3.config import STAGES, ConfigError, load_config, to_yaml
+from rlk3.config import STAGES, ConfigError, check_paths, load_config, to_yaml
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         cfg = load_config(args.config, [*args.overrides, f"run.stage={args.stage}"])
+        if not args.print_config:
+            check_paths(cfg)  # run_stage checks them too; here its error reads as the config error it is
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -5,11 +5,13 @@ A run config is a YAML file whose ``defaults`` list names fragments under ``conf
 plus its own keys), merged in order, each fragment's own ``defaults`` first, then the file's own keys, then
 ``key=value`` overrides from the command line. The schema below is the whole vocabulary: an unknown key anywhere is an
 error naming it and the valid keys at that level; every value is range-checked with a message naming the key,
-the bad value and what would be valid.
+the bad value and what would be valid. The checkpoints a stage reads (``model.init_from``, ``mopd.teachers``) are
+checked when it starts (``check_paths``), so that a config naming placeholders still loads.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -668,3 +670,41 @@ def validate(cfg: Config) -> None:
         _check_teacher_overrides(cfg)
     if cfg.run.stage == "demo":
         _check_student_overrides(cfg)
+
+
+# ---------------------------------------------------------------------------------------------- paths a stage reads
+
+
+# what save_pretrained of a model and its tokenizer writes and the stages read back (from_pretrained,
+# harness.tokenizer.load_tokenizer): one name of each group must be a readable file (without tokenizer_config.json
+# the tokenizer still loads, but with no pad or eos token)
+CHECKPOINT_FILES = (("config.json",), ("model.safetensors", "model.safetensors.index.json"), ("tokenizer.json",),
+                    ("tokenizer_config.json",))
+
+
+def _check_checkpoint(key: str, path: str, tokenizer: bool = True) -> None:
+    p = Path(path)
+    where = f"{key}={path!r}" + ("" if p.is_absolute() else f" ({p.resolve()}: relative to the current directory)")
+    if not p.is_dir():
+        raise ConfigError(f"{where}: no such checkpoint directory")
+    for names in CHECKPOINT_FILES if tokenizer else CHECKPOINT_FILES[:2]:
+        if not any((p / n).is_file() and os.access(p / n, os.R_OK) for n in names):
+            raise ConfigError(f"{where}: no readable {' or '.join(names)} there; a checkpoint directory holds what "
+                              f"save_pretrained writes for the model and its tokenizer "
+                              f"({', '.join(n[0] for n in CHECKPOINT_FILES)}), e.g. an SFT run's output_dir or an "
+                              f"RL run's output_dir/final")
+
+
+def check_paths(cfg: Config) -> None:
+    """The checkpoints ``cfg``'s stage will read, checked before it starts anything (``rlk3.pipeline.run_stage``).
+    Not part of ``validate``: configs that are loaded but not run (tests, ``--print-config``) may name placeholders.
+    Relative paths are read from the current directory, as the driver and the Ray workers it starts read them
+    (under ``ray job submit``, the job's copy of its working_dir: give absolute paths there)."""
+    stage = cfg.run.stage
+    # the demo stage runs SFT itself when model.init_from is not a checkpoint (docs/demo.md)
+    if cfg.model.init_from and stage in ("sft", "rl", "mopd", "teachers"):
+        # SFT trains its own tokenizer and reads only the model
+        _check_checkpoint("model.init_from", cfg.model.init_from, tokenizer=stage != "sft")
+    if stage == "mopd":
+        for key, path in cfg.mopd.teachers.items():
+            _check_checkpoint(f"mopd.teachers[{key!r}]", path)

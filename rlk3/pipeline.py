@@ -24,6 +24,7 @@ from rlk3.config import (
     CONFIG_DIR,
     DOMAINS,
     EFFORTS,
+    check_paths,
     derive,
     heldout_sizes,
     load_config,
@@ -49,6 +50,7 @@ def _setup(cfg) -> None:
 
 
 def run_stage(cfg) -> int:
+    check_paths(cfg)  # before Ray starts: a teacher without weights surfaced only when the first rollouts were scored
     _setup(cfg)
     stage = cfg.run.stage
     if stage == "sft":

@@ -1,5 +1,7 @@
 """Config composition and validation: unknown keys and bad values fail before anything is allocated."""
 
+import re
+
 import pytest
 
 from rlk3.config import CONFIG_DIR, ConfigError, load_config
@@ -231,3 +233,115 @@ def test_model_overrides_that_k3config_accepts_load(tmp_path):
     cfg = load_config(write(tmp_path, "defaults: [stage/rl]\n"),
                       ["model.overrides.num_hidden_layers=2", "model.overrides.full_attn_layers=[2]"])
     assert cfg.model.overrides == {"num_hidden_layers": 2, "full_attn_layers": [2]}
+
+
+# ---------------------------------------------------------------------------------------------- paths a stage reads
+
+CHECKPOINT = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+def fake_checkpoint(path, files=CHECKPOINT):
+    path.mkdir(parents=True, exist_ok=True)
+    for name in files:
+        (path / name).write_text("{}")
+    return path
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """Starting Ray is the first allocation of the rl, mopd and teachers stages: a check after it comes too late."""
+    import rlk3.cluster.driver as driver
+
+    def connect(cfg):
+        raise AssertionError("Ray was started before the stage's checkpoints were checked")
+
+    monkeypatch.setattr(driver, "connect", connect)
+
+
+def mopd_overrides(tmp_path, teacher):
+    return [f"run.output_dir={tmp_path / 'out'}", f"model.init_from={fake_checkpoint(tmp_path / 'sft')}",
+            "tasks.domains=[general]", "rollout.efforts=[low]", f"mopd.teachers={{general/low: {teacher}}}"]
+
+
+@pytest.mark.parametrize(
+    ("files", "match"),
+    [
+        # TeacherPool found a teacher without weights only when the first rollouts were scored (one iteration in)
+        (CHECKPOINT[:1] + CHECKPOINT[2:],
+         r"mopd.teachers\['general/low'\]='.*/teacher': no readable model.safetensors or "
+         r"model.safetensors.index.json there; a checkpoint directory holds .*config.json, model.safetensors"),
+        (CHECKPOINT[1:], r"mopd.teachers\['general/low'\]='.*/teacher': no readable config.json there"),
+        (None, r"mopd.teachers\['general/low'\]='.*/teacher': no such checkpoint directory"),
+    ],
+)
+def test_run_stage_checks_teacher_checkpoints_before_ray(tmp_path, no_ray, files, match):
+    """A config naming placeholder teachers loads (validate() leaves paths alone); running its stage checks them."""
+    from rlk3.pipeline import run_stage
+
+    teacher = tmp_path / "teacher"
+    if files is not None:
+        fake_checkpoint(teacher, files)
+    cfg = load_config(write(tmp_path, "defaults: [stage/mopd]\n"), mopd_overrides(tmp_path, teacher))
+    with pytest.raises(ConfigError, match=match):
+        run_stage(cfg)
+
+
+@pytest.mark.parametrize(
+    ("stage", "missing"),
+    [("rl", "tokenizer.json"), ("teachers", "config.json"), ("mopd", "tokenizer_config.json"),
+     ("rl", "model.safetensors")],
+)
+def test_run_stage_checks_the_init_from_checkpoint_before_ray(tmp_path, no_ray, stage, missing):
+    """validate() only asks that model.init_from is a directory: the rollout actor found it was not a checkpoint."""
+    from rlk3.pipeline import run_stage
+
+    init = fake_checkpoint(tmp_path / "sft", [f for f in CHECKPOINT if f != missing])
+    overrides = [f"run.output_dir={tmp_path / 'out'}", f"model.init_from={init}"]
+    if stage == "mopd":
+        overrides += [f"mopd.teachers={{general/low: {fake_checkpoint(tmp_path / 'teacher')}}}",
+                      "tasks.domains=[general]", "rollout.efforts=[low]"]
+    cfg = load_config(write(tmp_path, f"defaults: [stage/{stage}]\n"), overrides)
+    with pytest.raises(ConfigError, match=rf"model.init_from='.*/sft': no readable {missing}"):
+        run_stage(cfg)
+
+
+def test_check_paths_reads_relative_paths_from_the_current_directory(tmp_path, monkeypatch):
+    from rlk3.config import check_paths
+
+    monkeypatch.chdir(tmp_path)
+    fake_checkpoint(tmp_path / "runs/sft", CHECKPOINT[:1])
+    cfg = load_config(write(tmp_path, "defaults: [stage/rl]\n"), ["model.init_from=runs/sft"])
+    with pytest.raises(ConfigError, match=rf"model.init_from='runs/sft' \({re.escape(str(tmp_path))}/runs/sft: "
+                                          r"relative to the current directory\): no readable model.safetensors"):
+        check_paths(cfg)
+    # SFT reads the model alone (it trains its own tokenizer)
+    fake_checkpoint(tmp_path / "runs/sft", CHECKPOINT[:2])
+    check_paths(load_config(write(tmp_path, "defaults: [stage/sft]\n"), ["model.init_from=runs/sft"]))
+
+
+def test_a_checkpoint_rlk3_writes_passes_and_placeholders_load(tmp_path):
+    """What save_pretrained writes is a checkpoint to check_paths; a config naming placeholders still loads (it is
+    the stage that needs the files), and the demo stage, which makes its own, is not checked."""
+    from harness.tokenizer import default_tokenizer
+    from rlk3.config import check_paths
+    from rlk3.model import K3Config, K3ForCausalLM
+
+    tok = default_tokenizer()
+    K3ForCausalLM(K3Config.preset("k3-tiny", num_hidden_layers=2, vocab_size=len(tok))).save_pretrained(tmp_path / "c")
+    tok.save_pretrained(tmp_path / "c")
+    real = [*mopd_overrides(tmp_path, tmp_path / "c"), f"model.init_from={tmp_path / 'c'}"]
+    check_paths(load_config(write(tmp_path, "defaults: [stage/mopd]\n"), real))
+    placeholders = load_config(write(tmp_path, "defaults: [stage/mopd]\n"), mopd_overrides(tmp_path, "x"))
+    with pytest.raises(ConfigError, match=r"mopd.teachers\['general/low'\]='x'"):
+        check_paths(placeholders)
+    check_paths(load_config(write(tmp_path, "defaults: [stage/demo]\n"), [f"model.init_from={tmp_path}"]))
+
+
+def test_cli_reports_a_missing_checkpoint_as_a_config_error(tmp_path, no_ray, capsys):
+    from rlk3.cli import main
+
+    config = write(tmp_path, "defaults: [stage/mopd]\n")
+    args = ["mopd", str(config), *mopd_overrides(tmp_path, tmp_path / "nowhere")]
+    assert main(args) == 2
+    assert "config error: mopd.teachers['general/low']=" in capsys.readouterr().err
+    assert main([*args, "--print-config"]) == 0  # shows the config as composed: placeholders are fine there
