@@ -180,7 +180,7 @@ class ClusterConfig:
     colocate: bool = True  # rollout and training share the bundle, alternating phases
     num_gpus: int = 0
     sandbox_url: str | None = None  # None: start the local sandbox server; else an E2B-compatible URL
-    sandbox_api_key: str | None = None
+    sandbox_api_key: str | None = None  # the X-API-KEY of cluster.sandbox_url's server; None: $E2B_API_KEY
     cpu_threads: int = 0  # torch intra-op threads per process on CPU (0: torch's default)
     train_workers: int = 1  # data-parallel training ranks, one actor and bundle each (FSDP2; gloo on CPU, NCCL on GPUs)
     # trainer -> engine: object_store (Ray shared memory) | broadcast (gloo/NCCL group of two) | cuda_ipc (one GPU)

@@ -81,7 +81,8 @@ class RolloutWorker:
             model = model.cuda()
         self.engine = RolloutEngine(model.eval(), engine_config(cfg))
         self.env = RolloutEnv(self.tokenizer, domains=tuple(sorted(set(cfg.tasks.domains))),
-                              sandbox_url=cfg.cluster.sandbox_url, state_dir=Path(state_dir) / "sandboxes")
+                              sandbox_url=cfg.cluster.sandbox_url,
+                              sandbox_api_key=cfg.cluster.sandbox_api_key, state_dir=Path(state_dir) / "sandboxes")
         self.env.__enter__()
         r = cfg.rollout
         self.loop = self.env.loop(self.engine, LoopConfig(

@@ -8,6 +8,7 @@ the grading with a sandbox provider on the same server, so graders fork the epis
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import tempfile
 from pathlib import Path
 
@@ -25,6 +26,7 @@ class RolloutEnv:
         domains: tuple[str, ...] = ("general", "agentic", "coding"),
         presets: dict[str, str] | None = None,
         sandbox_url: str | None = None,
+        sandbox_api_key: str | None = None,
         state_dir: str | Path | None = None,
         compose: str = "override",
         pool: int = 2,
@@ -34,6 +36,7 @@ class RolloutEnv:
         self.harnesses = {d: Harness(presets[d], tokenizer) for d in domains}
         self.needs_sandbox = any(h.tools for h in self.harnesses.values())
         self.sandbox_url = sandbox_url
+        self.sandbox_api_key = sandbox_api_key  # None: $E2B_API_KEY (a local server accepts any key)
         self.state_dir = Path(state_dir) if state_dir else None
         self.compose = compose
         self.pool = pool
@@ -58,6 +61,8 @@ class RolloutEnv:
                 self.server = LocalServer(self.state_dir / "state", pool=self.pool).start()
                 url = self.server.url
             settings = SandboxSettings.local(url)
+            if self.sandbox_api_key:
+                settings = dataclasses.replace(settings, api_key=self.sandbox_api_key)
             self.sandboxes = E2BEpisodeSandboxes(SandboxClient(settings))
             workdirs = {h.preset.workdir for h in self.harnesses.values() if h.tools}
             if len(workdirs) > 1:
