@@ -60,9 +60,10 @@ class EffortConfig:
 
 @dataclass
 class HarnessConfig:
-    presets: dict[str, float] = field(default_factory=lambda: {"hermes": 1.0})  # preset -> weight
+    # each domain's harness preset is fixed (rlk3.rollout.demos.DOMAIN_PRESETS: the SFT demonstrations' format); no
+    # preset mix and no context compaction in rollouts: a compacted context is not the one token stream the trainer
+    # scores, so neither has a key here
     max_turns: int = 6
-    compact_at_tokens: int = 0  # 0: no compaction
 
 
 @dataclass
@@ -222,7 +223,7 @@ class Config:
 
 
 FREE_FORM = (
-    "model.overrides", "tasks.files", "tasks.heldout_sizes", "harness.presets", "mopd.teachers", "sft.domain_demos",
+    "model.overrides", "tasks.files", "tasks.heldout_sizes", "mopd.teachers", "sft.domain_demos",
     "sft.effort_weights", "sft.habit_stage.effort_weights", "sft.habit_stage.domain_demos",
     "sft.habit_stage.habits", "teachers.overrides",
     "mopd.overrides", "rollout.engine",
@@ -531,8 +532,6 @@ def validate(cfg: Config) -> None:
         )
     _in("effort.schedule", cfg.effort.schedule, KINDS)
     _range("effort.anneal_steps", cfg.effort.anneal_steps, 0)  # BudgetSchedule raised in the rollout worker
-    if not cfg.harness.presets or any(w < 0 for w in cfg.harness.presets.values()):
-        raise ConfigError(f"harness.presets must map preset names to weights >= 0, got {dict(cfg.harness.presets)}")
     _range("harness.max_turns", cfg.harness.max_turns, 1)
     _range("sft.lr", cfg.sft.lr, 0, lo_open=True)
     _range("sft.epochs", cfg.sft.epochs, 0, lo_open=True)

@@ -345,3 +345,10 @@ def test_cli_reports_a_missing_checkpoint_as_a_config_error(tmp_path, no_ray, ca
     assert main(args) == 2
     assert "config error: mopd.teachers['general/low']=" in capsys.readouterr().err
     assert main([*args, "--print-config"]) == 0  # shows the config as composed: placeholders are fine there
+
+
+@pytest.mark.parametrize("override", ["harness.presets={hermes: 1.0}", "harness.compact_at_tokens=4096"])
+def test_harness_keys_that_nothing_read_are_unknown(tmp_path, override):
+    # both were in the schema, validated and never read: a preset mix or compaction set there changed nothing
+    with pytest.raises(ConfigError, match="harness"):
+        load_config(write(tmp_path, "defaults: [stage/rl]\n"), [override])
