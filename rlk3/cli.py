@@ -25,7 +25,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage == "eval":  # python -m rlk3 eval <manifest.json> [n=40]
         from rlk3 import pipeline
 
-        n = next((int(o.split("=", 1)[1]) for o in args.overrides if o.startswith("n=")), None)
+        n = None
+        for item in args.overrides:  # the only setting: tasks per slice (a manifest is not a run config)
+            key, _, value = item.partition("=")
+            if key != "n" or not value.isdigit() or int(value) < 1:
+                print(f"eval: {item!r} is not a setting of eval; it takes n=<tasks per slice, an int >= 1> "
+                      f"(the rest comes from the manifest)", file=sys.stderr)
+                return 2
+            n = int(value)
+        if args.print_config:
+            print("eval: --print-config shows a run config; eval reads a manifest (print the file)", file=sys.stderr)
+            return 2
         if not Path(args.config).is_file():
             print(f"eval: no manifest at {args.config} (the demo stage writes one: <run.output_dir>/manifest.json)",
                   file=sys.stderr)

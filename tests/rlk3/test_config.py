@@ -352,3 +352,14 @@ def test_harness_keys_that_nothing_read_are_unknown(tmp_path, override):
     # both were in the schema, validated and never read: a preset mix or compaction set there changed nothing
     with pytest.raises(ConfigError, match="harness"):
         load_config(write(tmp_path, "defaults: [stage/rl]\n"), [override])
+
+
+@pytest.mark.parametrize("args", [["n=abc"], ["n=0"], ["tasks.heldout_size=5"], ["--print-config"]])
+def test_eval_refuses_what_it_would_ignore(tmp_path, capsys, args):
+    # eval took n= and ignored every other override (and --print-config) without a word; a bad n was a traceback
+    from rlk3.cli import main
+
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text("{}")
+    assert main(["eval", str(manifest), *args]) == 2
+    assert "eval" in capsys.readouterr().err
