@@ -29,6 +29,10 @@ import torch
 
 IS_MODES = ("truncate", "mask", "none")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+# policy_loss's means and the token count each is over: micro-batches combine by that count, so a mean over the kept
+# tokens stays exact however the IS-masked ones fall across micro-batches
+MEAN_OVER = {"clip_frac": "kept_tokens", "is_weight_mean": "tokens", "is_masked_frac": "tokens",
+             "stale_frac": "tokens", "kl_ref": "tokens", "entropy": "tokens"}
 
 
 @dataclass(frozen=True)
@@ -122,11 +126,16 @@ def policy_loss(
 
     m = mask.bool()
     n = m.sum().clamp(min=1)
+    n_kept = keep.sum().clamp(min=1)
     with torch.no_grad():
+        # the clip binds where min() takes the clipped term (verl's pg_clipfrac): r > 1 + ε_high with A > 0 or
+        # r < 1 − ε_low with A < 0; a ratio outside the range on the other side still gets its full gradient
+        binds = (clipped * advantages < ratio * advantages) & keep
         metrics = {
             "loss": float(loss),
             "tokens": int(m.sum()),
-            "clip_frac": float(((ratio != clipped) & m).sum() / n),
+            "kept_tokens": int(keep.sum()),
+            "clip_frac": float(binds.sum() / n_kept),
             "is_weight_mean": float((w * m).sum() / n),
             "is_weight_max": float(w[m].max()) if m.any() else 0.0,
             "is_masked_frac": float((m & ~keep).sum() / n),

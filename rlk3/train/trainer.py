@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from rlk3.algo.advantages import group_advantages, reward_spread
-from rlk3.algo.loss import LossConfig, policy_loss, token_logprobs
+from rlk3.algo.loss import MEAN_OVER, LossConfig, policy_loss, token_logprobs
 from rlk3.model.quantile_balancing import histogram_edges, qb_bias_from_histogram, qb_histogram, quantile_balancing_bias
 from rlk3.rollout.trajectory import Status, Trajectory
 from rlk3.train import parallel
@@ -246,12 +246,15 @@ class Trainer:
             norms.append(self._update(batches, sums))
         self.version += 1
         sums = self._reduce_metrics(sums)
-        n_tok = max(sums.get("tokens", 1.0), 1.0)  # token-weighted means over every optimizer step
         for k, v in sums.items():
-            metrics[f"train/{k}"] = v if k == "is_weight_max" else v / n_tok
+            if k in MEAN_OVER:  # over every optimizer step's tokens, each mean over its own count
+                metrics[f"train/{k}"] = v / max(sums[MEAN_OVER[k]], 1.0)
+            elif k == "is_weight_max":
+                metrics[f"train/{k}"] = v
+            elif k != "loss":  # a count of the batch's tokens, counted once
+                metrics[f"train/{k}"] = v / epochs
         # the loss as aggregated (a token-weighted mean of micro-batch losses is that only for token-mean)
         metrics["train/loss"] = sums.get("loss", 0.0) / len(plan)
-        metrics["train/tokens"] = sums.get("tokens", 0.0) / epochs  # the batch's tokens, counted once
         grad_norm = sum(norms) / len(norms)
         metrics["train/grad_norm"] = grad_norm
         metrics["train/updates"] = len(plan)
@@ -336,10 +339,10 @@ class Trainer:
             for k, v in m.items():
                 if k == "loss":  # weighted as in the backward: the sum is the minibatch's aggregate (over ranks too)
                     sums[k] = sums.get(k, 0.0) + v * weight
-                elif k != "is_weight_max":
-                    sums[k] = sums.get(k, 0.0) + v * (m["tokens"] if k != "tokens" else 1.0)
-                else:
+                elif k == "is_weight_max":
                     sums[k] = max(sums.get(k, 0.0), v)
+                else:  # a mean becomes its total over its count; counts add up
+                    sums[k] = sums.get(k, 0.0) + v * (m[MEAN_OVER[k]] if k in MEAN_OVER else 1.0)
             del logits
         grad_norm = parallel.to_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
         if not math.isfinite(grad_norm):

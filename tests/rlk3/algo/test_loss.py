@@ -107,6 +107,36 @@ def test_ppo_clip_stops_the_gradient_outside_the_trust_region():
     assert (lp.grad[mask.bool()] > 0).all()  # negative advantage is not clipped from this side
 
 
+def test_clip_frac_counts_the_tokens_where_the_clip_binds():
+    """verl's pg_clipfrac: the share of tokens where min() takes the clipped term, so the clip cuts the gradient —
+    r > 1 + ε_high with A > 0, r < 1 − ε_low with A < 0. A ratio outside the range on the other side of its advantage
+    keeps its full gradient and is not counted (it was: 5 of 6 here instead of 2)."""
+    cfg = LossConfig(clip_low=0.2, clip_high=0.28, is_mode="none")
+    r = torch.tensor([[1.5, 1.5, 0.5, 0.5, 1.0, 1.5, 2.0]])
+    adv = torch.tensor([[1.0, -1.0, -1.0, 1.0, 1.0, 0.0, 1.0]])
+    mask = torch.tensor([[1.0, 1, 1, 1, 1, 1, 0]])  # the last is padding
+    old = torch.full_like(r, -1.0)
+    lp = (old + r.log()).requires_grad_(True)
+    _, m = policy_loss(lp, old, adv, mask, cfg, old_logp=old)
+    assert m["clip_frac"] == pytest.approx(2 / 6)  # 1.5 with A > 0 and 0.5 with A < 0
+    # the same tokens, read off the gradient: generated, A ≠ 0, and no gradient
+    policy_loss(lp, old, adv, mask, cfg, old_logp=old)[0].backward()
+    cut = (lp.grad == 0) & (adv != 0) & mask.bool()
+    assert cut.tolist() == [[True, False, True, False, False, False, False]]
+
+
+def test_clip_frac_is_over_the_tokens_masked_is_keeps():
+    # masked IS drops a token whatever its ratio: it is neither counted nor in the denominator (verl's rejection
+    # sampling removes it from the response mask the same way)
+    cfg = LossConfig(clip_low=0.2, clip_high=0.2, is_mode="mask", is_low=0.5, is_high=2.0)
+    r = torch.tensor([[1.5, 1.5, 1.0, 1.0]])
+    old = torch.full_like(r, -1.0)
+    behaviour = old.clone()
+    behaviour[0, 0] -= math.log(4.0)  # π_old / μ = 4: outside [0.5, 2], dropped
+    _, m = policy_loss(old + r.log(), behaviour, torch.ones(1, 4), torch.ones(1, 4), cfg, old_logp=old)
+    assert m["kept_tokens"] == 3 and m["clip_frac"] == pytest.approx(1 / 3)
+
+
 def test_aggregations_differ_as_defined():
     logp = torch.zeros(2, 4)
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0]])
