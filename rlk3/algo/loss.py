@@ -12,7 +12,8 @@ optimisation step (the PPO anchor; equal to the current policy on the first mini
 tokens sampled by an older policy are reweighted token by token. Two ways to tame it:
 
 * ``truncate``: ``w ← min(w, C)`` (truncated importance sampling);
-* ``mask``: tokens with ``w`` outside ``[low, high]`` contribute nothing (masked importance sampling);
+* ``mask``: tokens with ``w`` outside ``[low, high]`` contribute nothing, the others count at weight 1 (token-level
+  rejection, verl's ``rollout_rs: token``; IcePop also multiplies a kept token by ``w``);
 * ``none``: ``w = 1`` (pure PPO; only right when every token is on-policy).
 
 Aggregation: ``token-mean`` (every generated token in the batch weighs the same), ``seq-mean-token-mean`` (each
@@ -31,7 +32,7 @@ IS_MODES = ("truncate", "mask", "none")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 # policy_loss's means and the token count each is over: micro-batches combine by that count, so a mean over the kept
 # tokens stays exact however the IS-masked ones fall across micro-batches
-MEAN_OVER = {"clip_frac": "kept_tokens", "is_weight_mean": "tokens", "is_masked_frac": "tokens",
+MEAN_OVER = {"clip_frac": "kept_tokens", "is_weight_mean": "kept_tokens", "is_masked_frac": "tokens",
              "stale_frac": "tokens", "kl_ref": "tokens", "entropy": "tokens"}
 
 
@@ -61,10 +62,15 @@ class LossConfig:
             raise ValueError(f"loss.kl_coef must be >= 0, got {self.kl_coef}")
 
 
+def is_ratio(old_logp: torch.Tensor, behaviour_logp: torch.Tensor) -> torch.Tensor:
+    """``π_old / μ`` per token, before truncation or masking (no gradient)."""
+    return (old_logp - behaviour_logp).detach().clamp(max=30.0).exp()  # clamp: exp(huge) is inf, and inf * 0 NaN
+
+
 def importance_weights(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, cfg: LossConfig):
-    """``(w, keep)``: the per-token staleness weight (no gradient) and the mask of tokens that count."""
-    log_w = (old_logp - behaviour_logp).detach()
-    w = log_w.clamp(max=30.0).exp()  # clamp: exp of a huge log-ratio is inf, and inf * 0 would be NaN
+    """``(w, keep)``: the per-token staleness weight (no gradient) and the mask of tokens that count. ``mask`` mode
+    keeps a token at weight 1 (it rejects, it does not reweight)."""
+    w = is_ratio(old_logp, behaviour_logp)
     keep = mask.bool()
     if cfg.is_mode == "truncate":
         w = w.clamp(max=cfg.is_cap)
@@ -131,13 +137,17 @@ def policy_loss(
         # the clip binds where min() takes the clipped term (verl's pg_clipfrac): r > 1 + ε_high with A > 0 or
         # r < 1 − ε_low with A < 0; a ratio outside the range on the other side still gets its full gradient
         binds = (clipped * advantages < ratio * advantages) & keep
+        raw = is_ratio(old, behaviour_logp)
+        # what the kept tokens' ratios are: the weight applied under truncate; under mask and none the loss applies
+        # 1, and the mean of w itself (constant 1) said nothing about how far off-policy the trained tokens were
+        seen = w if cfg.is_mode == "truncate" else raw
         metrics = {
             "loss": float(loss),
             "tokens": int(m.sum()),
             "kept_tokens": int(keep.sum()),
             "clip_frac": float(binds.sum() / n_kept),
-            "is_weight_mean": float((w * m).sum() / n),
-            "is_weight_max": float(w[m].max()) if m.any() else 0.0,
+            "is_weight_mean": float((seen * keep).sum() / n_kept),
+            "is_weight_max": float(raw[m].max()) if m.any() else 0.0,  # before the cap or the mask: compare with them
             "is_masked_frac": float((m & ~keep).sum() / n),
             # behaviour ≠ π_old; the trainer, which knows each token's policy version, logs that count instead
             "stale_frac": float(((old - behaviour_logp).abs() > 1e-6)[m].float().mean()) if m.any() else 0.0,

@@ -94,6 +94,25 @@ def test_masked_is_normalises_by_generated_tokens_so_a_split_batch_gives_the_sam
     torch.testing.assert_close(lp.grad, want)
 
 
+@pytest.mark.parametrize("mode,mean", [
+    ("mask", (1.5 + 0.8 + 1.0) / 3),  # the kept tokens' ratios (4 and 0.25 are outside [0.5, 2])
+    ("truncate", (1.5 + 0.8 + 2.0 + 0.25 + 1.0) / 5),  # the applied weights, 4 capped at 2
+    ("none", (1.5 + 0.8 + 4.0 + 0.25 + 1.0) / 5),  # the uncorrected ratios
+])
+def test_is_weight_metrics_report_the_ratios_of_the_tokens_the_loss_keeps(mode, mean):
+    """is_weight_mean: π_old / μ over the tokens the loss keeps, capped under truncate; is_weight_max: the largest
+    ratio before the cap or the mask. Under mask and none both read 1 (the constant weight the loss applies), and
+    under truncate the max never passed the cap."""
+    w = torch.tensor([[1.5, 0.8, 4.0, 0.25, 1.0, 8.0]])
+    mask = torch.tensor([[1.0, 1, 1, 1, 1, 0]])  # the 8 is padding
+    old = torch.full_like(w, -1.0)
+    cfg = LossConfig(is_mode=mode, is_cap=2.0, is_low=0.5, is_high=2.0)
+    _, m = policy_loss(old.clone(), old - w.log(), torch.ones(1, 6), mask, cfg, old_logp=old)
+    assert m["is_weight_mean"] == pytest.approx(mean, rel=1e-5)
+    assert m["is_weight_max"] == pytest.approx(4.0, rel=1e-5)
+    assert m["is_masked_frac"] == pytest.approx(2 / 5 if mode == "mask" else 0.0)
+
+
 def test_ppo_clip_stops_the_gradient_outside_the_trust_region():
     logp, mask = batch()
     old = logp.detach() - 0.5  # ratio e^0.5 ≈ 1.65 > 1 + clip_high

@@ -4,6 +4,7 @@ per-token importance correction, Quantile Balancing's bias shipped with the weig
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -125,6 +126,22 @@ def test_stale_tokens_are_corrected_per_token(model):
     Trainer(frozen, cfg(is_mode="mask", is_low=0.8, is_high=1.5)).step(copy.deepcopy(trajs))
     for x, y in zip(frozen.parameters(), model.parameters()):
         assert torch.equal(x, y)
+
+
+def test_is_weight_mean_under_masked_is_is_the_kept_tokens_ratio_whatever_the_packing(model):
+    # π_old / μ: sequence a e^0.3 on 3 tokens (kept) and e^2 on 3 (masked), sequence b e^-0.2 on all 6 (kept); the
+    # mean over the 9 kept tokens, in one micro-batch and in one per sequence
+    a, b = traj(model, "a", "g", 1.0, seed=1), traj(model, "b", "g", 0.0, seed=2)
+    a.behaviour_logprobs = [x - (0.3 if k < 3 else 2.0) for k, x in enumerate(a.behaviour_logprobs)]
+    b.behaviour_logprobs = [x + 0.2 for x in b.behaviour_logprobs]
+    want = (3 * math.exp(0.3) + 6 * math.exp(-0.2)) / 9
+    for tokens in (10_000, 14):
+        c = cfg(is_mode="mask", is_low=0.5, is_high=2.0, micro_batch_tokens=tokens)
+        got = Trainer(copy.deepcopy(model), c).step(copy.deepcopy([a, b]))
+        assert got["train/is_weight_mean"] == pytest.approx(want, abs=1e-4), tokens
+        assert got["train/is_weight_max"] == pytest.approx(math.exp(2.0), rel=1e-4), tokens
+        assert got["train/is_masked_frac"] == pytest.approx(3 / 12), tokens
+        assert got["train/kept_tokens"] == 9, tokens
 
 
 def test_stale_frac_counts_tokens_of_older_policy_versions_not_engine_rounding(model):
