@@ -32,8 +32,8 @@ IS_MODES = ("truncate", "mask", "none")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 # policy_loss's means and the token count each is over: micro-batches combine by that count, so a mean over the kept
 # tokens stays exact however the IS-masked ones fall across micro-batches
-MEAN_OVER = {"clip_frac": "kept_tokens", "is_weight_mean": "kept_tokens", "is_masked_frac": "tokens",
-             "stale_frac": "tokens", "kl_ref": "tokens", "entropy": "tokens"}
+MEAN_OVER = {"clip_frac": "kept_tokens", "ppo_kl": "kept_tokens", "is_weight_mean": "kept_tokens",
+             "is_masked_frac": "tokens", "stale_frac": "tokens", "kl_ref": "tokens", "entropy": "tokens"}
 
 
 @dataclass(frozen=True)
@@ -146,6 +146,8 @@ def policy_loss(
             "tokens": int(m.sum()),
             "kept_tokens": int(keep.sum()),
             "clip_frac": float(binds.sum() / n_kept),
+            # verl's ppo_kl: mean log(π_old / π_θ), how far this optimizer step has moved from π_old (0 on the first)
+            "ppo_kl": float(torch.where(keep, old - logp.detach(), 0.0).sum() / n_kept),
             "is_weight_mean": float((seen * keep).sum() / n_kept),
             "is_weight_max": float(raw[m].max()) if m.any() else 0.0,  # before the cap or the mask: compare with them
             "is_masked_frac": float((m & ~keep).sum() / n),

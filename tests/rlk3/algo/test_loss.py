@@ -94,6 +94,16 @@ def test_masked_is_normalises_by_generated_tokens_so_a_split_batch_gives_the_sam
     torch.testing.assert_close(lp.grad, want)
 
 
+def test_ppo_kl_is_the_mean_log_ratio_of_pi_old_to_pi_theta_over_kept_tokens():
+    r = torch.tensor([[1.5, 0.5, 1.0, 3.0]])  # π_θ / π_old; the last token is masked by IS (π_old / μ = 4)
+    old = torch.full_like(r, -1.0)
+    behaviour = old.clone()
+    behaviour[0, 3] -= math.log(4.0)
+    _, m = policy_loss(old + r.log(), behaviour, torch.ones(1, 4), torch.ones(1, 4), LossConfig(is_mode="mask"),
+                       old_logp=old)
+    assert m["ppo_kl"] == pytest.approx(-(math.log(1.5) + math.log(0.5)) / 3, rel=1e-5)
+
+
 @pytest.mark.parametrize("mode,mean", [
     ("mask", (1.5 + 0.8 + 1.0) / 3),  # the kept tokens' ratios (4 and 0.25 are outside [0.5, 2])
     ("truncate", (1.5 + 0.8 + 2.0 + 0.25 + 1.0) / 5),  # the applied weights, 4 capped at 2
