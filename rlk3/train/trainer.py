@@ -34,6 +34,8 @@ from rlk3.model.quantile_balancing import histogram_edges, qb_bias_from_histogra
 from rlk3.rollout.trajectory import Status, Trajectory
 from rlk3.train import parallel
 
+MAXIMA = ("is_weight_max", "staleness_max")  # metrics combined by their maximum, not summed
+
 
 class DeadSignalError(RuntimeError):
     """Training has had no learning signal for too many steps in a row."""
@@ -249,7 +251,7 @@ class Trainer:
         for k, v in sums.items():
             if k in MEAN_OVER:  # over every optimizer step's tokens, each mean over its own count
                 metrics[f"train/{k}"] = v / max(sums[MEAN_OVER[k]], 1.0)
-            elif k == "is_weight_max":
+            elif k in MAXIMA:
                 metrics[f"train/{k}"] = v
             elif k != "loss":  # a count of the batch's tokens, counted once
                 metrics[f"train/{k}"] = v / epochs
@@ -293,15 +295,16 @@ class Trainer:
         return packed
 
     def _reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
-        """Sums across ranks (the largest importance weight: its maximum); every rank has the same keys."""
+        """Sums across ranks (``MAXIMA``: their maximum); every rank has the same keys."""
         if self.world == 1:
             return sums
-        keys = sorted(k for k in sums if k != "is_weight_max")
+        keys = sorted(k for k in sums if k not in MAXIMA)
         total = parallel.all_reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device))
         out = dict(zip(keys, total.tolist()))
-        if "is_weight_max" in sums:
-            top = torch.tensor([sums["is_weight_max"]], dtype=torch.float64, device=self.device)
-            out["is_weight_max"] = float(parallel.all_reduce(top, op=torch.distributed.ReduceOp.MAX))
+        tops = sorted(k for k in sums if k in MAXIMA)
+        if tops:
+            top = torch.tensor([sums[k] for k in tops], dtype=torch.float64, device=self.device)
+            out.update(zip(tops, parallel.all_reduce(top, op=torch.distributed.ReduceOp.MAX).tolist()))
         return out
 
     @torch.no_grad()
@@ -332,6 +335,10 @@ class Trainer:
                 # an overlapped rollout), counted from the versions: the behaviour log-probs also differ from the
                 # trainer's by the engine's numerics (bf16, another kernel), which is not staleness
                 m["stale_frac"] = float(((b.versions < self.version) & (b.mask > 0)).sum()) / max(m["tokens"], 1)
+            # versions behind the policy being trained (what rollout.max_staleness bounds; one more under
+            # cluster.overlap): staleness/max, a span within one trajectory, reads 0 where every token lags by one
+            lag = (self.version - b.versions)[b.mask > 0] if b.versions is not None else torch.zeros(0)
+            m["staleness_max"] = float(lag.max()) if lag.numel() else 0.0
             weight = (float(mask.sum()) / max(total_tokens, 1.0) if self.cfg.aggregation == "token-mean"
                       else (0.0 if b.empty else b.ids.shape[0]) / total_seqs)
             # × world: FSDP averages the ranks' gradients, and each rank's loss is already its share of the total
@@ -339,7 +346,7 @@ class Trainer:
             for k, v in m.items():
                 if k == "loss":  # weighted as in the backward: the sum is the minibatch's aggregate (over ranks too)
                     sums[k] = sums.get(k, 0.0) + v * weight
-                elif k == "is_weight_max":
+                elif k in MAXIMA:
                     sums[k] = max(sums.get(k, 0.0), v)
                 else:  # a mean becomes its total over its count; counts add up
                     sums[k] = sums.get(k, 0.0) + v * (m[MEAN_OVER[k]] if k in MEAN_OVER else 1.0)

@@ -154,6 +154,18 @@ def test_stale_frac_counts_tokens_of_older_policy_versions_not_engine_rounding(m
     assert tr.step([a, b])["train/stale_frac"] == pytest.approx(0.5)
 
 
+def test_staleness_max_counts_versions_behind_the_policy_being_trained(model):
+    # the trainer at version 3; a resumed partial rollout sampled under versions 1 and 2, and overlapped rollouts
+    # under 2 only: one version behind, though no trajectory's own versions span anything
+    a, b, c = (traj(model, u, "g", float(i % 2), seed=i) for i, u in enumerate("abc"))
+    a.policy_versions = [1] * 3 + [2] * 3
+    b.policy_versions = c.policy_versions = [2] * 6
+    for trajs, want in (([a, b], 2), ([b, c], 1)):
+        tr = Trainer(copy.deepcopy(model), cfg())
+        tr.version = 3
+        assert tr.step(copy.deepcopy(trajs))["train/staleness_max"] == want
+
+
 def test_quantile_balancing_updates_the_bias_and_ships_it(model):
     m = copy.deepcopy(model)
     tr = Trainer(m, cfg(qb_update=True))
