@@ -165,9 +165,13 @@ def test_two_ranks_train_the_same_weights_as_one_process(parallel_results):
     same_update(dp["weights"], single["weights"])
     for m1, m2 in zip(dp["metrics"], single["metrics"]):
         assert m1["train/updates"] == m2["train/updates"] == 4
-        assert m1["train/tokens"] == m2["train/tokens"]
-        for k in ("train/loss", "train/entropy", "train/clip_frac", "train/grad_norm", "train/lr"):
+        assert m1["train/tokens"] == m2["train/tokens"] and m1["train/kept_tokens"] == m2["train/kept_tokens"]
+        assert m1["train/staleness_max"] == m2["train/staleness_max"]  # a maximum over ranks, not a sum
+        for k in ("train/loss", "train/entropy", "train/clip_frac", "train/is_weight_mean", "train/is_weight_max",
+                  "train/grad_norm", "train/lr"):
             assert m1[k] == pytest.approx(m2[k], rel=1e-4, abs=1e-7), k
+        # a small difference of log-probs: the ranks' float rounding of the weights shows at ~1e-4 of it
+        assert m1["train/ppo_kl"] == pytest.approx(m2["train/ppo_kl"], rel=1e-3)
 
 
 def test_quantile_balancing_pools_histograms_across_ranks(parallel_results):
