@@ -1,10 +1,13 @@
 """Task suites for the three domains, synthetic by default, plus loaders for public formats.
 
 ``get_tasks(domain, split, n)`` returns the first n tasks of a suite's split (deterministic; train and held-out
-never overlap).
+never overlap). ``files`` (domain → (path, format), a run's ``tasks.files``) replaces those domains' suites with a
+task file's split (``envs.tasks.loaders``): a file is finite, so its split may hold fewer than ``start + n`` tasks.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from envs.tasks import agentic, coding, general
 from envs.tasks.base import DOMAINS, SPLITS, Task, TaskError
@@ -12,12 +15,25 @@ from envs.tasks.base import DOMAINS, SPLITS, Task, TaskError
 SUITES = {"general": general, "agentic": agentic, "coding": coding}
 
 
-def get_tasks(domain: str, split: str, n: int, start: int = 0) -> list[Task]:
+def get_tasks(domain: str, split: str, n: int, start: int = 0,
+              files: Mapping[str, tuple[str, str]] | None = None) -> list[Task]:
     if domain not in SUITES:
         raise TaskError(f"unknown domain {domain!r}; valid domains: {list(DOMAINS)}")
     if n < 0 or start < 0:
         raise TaskError(f"n and start must be >= 0, got n={n} start={start}")
+    if files and domain in files:
+        return file_tasks(files, domain, split)[start:start + n]
     return [SUITES[domain].task(split, i) for i in range(start, start + n)]
 
 
-__all__ = ["DOMAINS", "SPLITS", "SUITES", "Task", "TaskError", "get_tasks"]
+def file_tasks(files: Mapping[str, tuple[str, str]], domain: str, split: str) -> list[Task]:
+    """Every task of ``domain``'s file in ``split``, in file order."""
+    from envs.tasks.loaders import DOMAIN_OF, load_split
+
+    path, fmt = files[domain]
+    if DOMAIN_OF.get(fmt) != domain:
+        raise TaskError(f"task file {path}: format {fmt!r} makes {DOMAIN_OF.get(fmt)} tasks, not {domain} ones")
+    return load_split(path, fmt, split)
+
+
+__all__ = ["DOMAINS", "SPLITS", "SUITES", "Task", "TaskError", "file_tasks", "get_tasks"]

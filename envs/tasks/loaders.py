@@ -10,6 +10,12 @@
 (SWE ``files`` maps path → text; the ``command`` grader restores pristine copies of the test files, their data and
 pytest's config and hooks first: see ``_restored``.)
 
+Train and held-out split: a record's split is a function of its question (the gsm8k ``question``, the mbpp ``text``,
+the humaneval ``prompt``, the SWE ``repo`` and ``problem_statement``): one question hash in five is held out
+(``envs.tasks.base.content_split``, the synthetic suites' rule). So the split is the same in every run, whatever the
+row order or the file's copy, and a question that appears twice never lands on both sides. A task's id names its split
+(``gsm8k/train/17``: record 17 of the file).
+
 Tiny example files of each live in ``envs/tasks/examples/``. Test asserts that cannot be turned into
 ``call``/``expected`` cases (a literal on the right-hand side) are rejected with the record named, rather than
 silently dropped.
@@ -18,13 +24,16 @@ silently dropped.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 from typing import Any
 
-from envs.tasks.base import Task, TaskError
+from envs.tasks.base import Task, TaskError, check_split, content_split
 
 FORMATS = ("gsm8k", "mbpp", "humaneval", "swe")
+DOMAIN_OF = {"gsm8k": "general", "mbpp": "coding", "humaneval": "coding", "swe": "agentic"}  # the tasks a format makes
+SUFFIXES = (".jsonl", ".json", ".parquet")
 EXAMPLES = Path(__file__).with_name("examples")
 
 
@@ -36,7 +45,7 @@ def _records(path: str | Path) -> list[dict[str, Any]]:
         raise TaskError(f"task file {path} does not exist")
     kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(path.suffix)
     if kind is None:
-        raise TaskError(f"task file {path}: use .jsonl, .json or .parquet, got {path.suffix!r}")
+        raise TaskError(f"task file {path}: use {', '.join(SUFFIXES)}, got {path.suffix!r}")
     return list(load_dataset(kind, data_files=str(path), split="train"))
 
 
@@ -82,13 +91,29 @@ def _restored(path: str, text: str, test_cmd: str) -> bool:
     return path in test_cmd.split() or f"./{path}" in test_cmd.split()
 
 
-def load(path: str | Path, fmt: str, split: str = "heldout", visible: int = 1) -> list[Task]:
-    """Tasks from a local file in one of ``FORMATS``; ``visible`` test cases per coding task are shown."""
+def _question(rec: dict, fmt: str) -> str:
+    """What a record's split is decided by (the module's docstring)."""
+    if fmt == "gsm8k":
+        return str(rec.get("question", ""))
+    if fmt == "mbpp":
+        return str(rec.get("text") or rec.get("prompt") or "")
+    if fmt == "humaneval":
+        return str(rec.get("prompt", ""))
+    return f"{rec.get('repo', '')}\x00{rec.get('problem_statement', '')}"
+
+
+def load(path: str | Path, fmt: str, split: str | None = None, visible: int = 1) -> list[Task]:
+    """Tasks from a local file in one of ``FORMATS``, in file order: the records of ``split`` ("train" or "heldout",
+    by the question's hash: the module's docstring), or every record (None). ``visible`` test cases per coding task
+    are shown. Every record of the file is checked, whichever split is asked for."""
     if fmt not in FORMATS:
         raise TaskError(f"unknown task format {fmt!r}; valid formats: {list(FORMATS)}")
+    if split is not None:
+        check_split(split)
     tasks = []
     for i, rec in enumerate(_records(path)):
-        tid = f"{fmt}/{split}/{rec.get('task_id', rec.get('instance_id', i))}"
+        own = content_split(_question(rec, fmt))
+        tid = f"{fmt}/{own}/{rec.get('task_id', rec.get('instance_id', i))}"
         if fmt == "gsm8k":
             _require(rec, ("question", "answer"), fmt, i)
             m = re.search(r"####\s*(.+?)\s*$", rec["answer"].strip())
@@ -121,4 +146,18 @@ def load(path: str | Path, fmt: str, split: str = "heldout", visible: int = 1) -
             tests = {k: v for k, v in files.items() if _restored(k, v, rec["test_cmd"])}
             tasks.append(Task(tid, "agentic", prompt, "command", {"cmd": rec["test_cmd"], "restore": tests},
                               files=files, max_turns=20))
-    return tasks
+    return [t for t in tasks if split is None or t.task_id.split("/")[1] == split]
+
+
+def load_split(path: str | Path, fmt: str, split: str) -> list[Task]:
+    """``load(path, fmt, split)``, read once per process for each version of the file (the prompt source draws one
+    task at a time; evaluation asks again every ``run.eval_every`` iterations)."""
+    p = Path(path).resolve()
+    if not p.exists():
+        raise TaskError(f"task file {p} does not exist")
+    return list(_load_cached(str(p), fmt, split, p.stat().st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=16)
+def _load_cached(path: str, fmt: str, split: str, _mtime_ns: int) -> tuple[Task, ...]:
+    return tuple(load(path, fmt, split))

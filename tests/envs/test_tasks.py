@@ -139,6 +139,36 @@ def test_public_format_examples_load(fmt):
         assert tasks[0].grading["restore"] == {"test_calc.py": tasks[0].files["test_calc.py"]}
 
 
+def gsm8k_file(path, n, order=None):
+    """A gsm8k-format file of ``n`` distinct questions (in ``order``, a permutation of range(n))."""
+    rows = [{"question": f"Tom has {a} apples and buys {a + 3} more. How many now?", "answer": f"#### {2 * a + 3}"}
+            for a in range(n)]
+    path.write_text("".join(json.dumps(rows[i]) + "\n" for i in (order or range(n))))
+    return path
+
+
+def test_a_files_split_is_stable_disjoint_and_a_function_of_the_question(tmp_path):
+    """``load``'s ``split`` was only a label in the task id: every record came back whichever split was asked for.
+    Now a record's split is its question's hash, so train and held-out never share a question, whatever the row
+    order, the same in every run."""
+    f = gsm8k_file(tmp_path / "a.jsonl", 40)
+    train, held, every = load(f, "gsm8k", "train"), load(f, "gsm8k", "heldout"), load(f, "gsm8k")
+    assert train and held and len(train) + len(held) == len(every) == 40
+    assert {t.prompt for t in train}.isdisjoint(t.prompt for t in held)
+    assert all(t.task_id.startswith("gsm8k/train/") for t in train)
+    assert all(t.task_id.startswith("gsm8k/heldout/") for t in held)
+    assert sorted(t.task_id for t in every) == sorted(t.task_id for t in train + held)
+    shuffled = gsm8k_file(tmp_path / "b.jsonl", 40, order=list(reversed(range(40))))
+    assert {t.prompt for t in load(shuffled, "gsm8k", "heldout")} == {t.prompt for t in held}
+    # a file replaces a domain's suite in get_tasks: the first n of its split, fewer when the split runs out
+    files = {"general": (str(f), "gsm8k")}
+    assert get_tasks("general", "heldout", 2, files=files) == held[:2]
+    assert get_tasks("general", "heldout", 1000, files=files) == held
+    assert get_tasks("general", "train", 3, start=1, files=files) == train[1:4]
+    with pytest.raises(TaskError, match=r"format 'gsm8k' makes general tasks, not coding ones"):
+        get_tasks("coding", "train", 1, files={"coding": (str(f), "gsm8k")})
+
+
 def test_loader_errors_name_the_problem(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"question": "2+2?", "answer": "4"}) + "\n")
