@@ -55,13 +55,16 @@ async def evaluate_slices(
     split: str = "heldout",
     concurrency: int = 64,
     progress=None,
+    files: Mapping[str, tuple[str, str]] | None = None,
 ) -> tuple[list[SliceResult], list[Trajectory]]:
-    """``slices``: (domain, effort, budget). ``n`` tasks per slice, or per domain ({"general": 400, ...}).
+    """``slices``: (domain, effort, budget). ``n`` tasks per slice, or per domain ({"general": 400, ...}): the first
+    ``n`` of the domain's suite, or of its task file's split where ``files`` names one (domain → (path, format),
+    ``tasks.files``; all of them when the split holds fewer, which ``SliceResult.n`` reports).
     Returns the per-slice summary and every trajectory (for inspection: ``metrics['grade_reasons']`` says why each
     one failed)."""
     sem = asyncio.Semaphore(concurrency)
     counts = {d: n[d] if isinstance(n, Mapping) else n for d in {s[0] for s in slices}}
-    tasks = {d: get_tasks(d, split, k) for d, k in counts.items()}
+    tasks = {d: get_tasks(d, split, k, files=files) for d, k in counts.items()}
 
     async def one(task, effort, budget):
         async with sem:
@@ -106,6 +109,7 @@ def evaluate_policy(
     engine_config=None,
     loop_config=None,
     sandbox_url: str | None = None,
+    files: Mapping[str, tuple[str, str]] | None = None,
 ) -> tuple[list[SliceResult], list[Trajectory]]:
     """Greedy held-out evaluation of one policy on ``slices`` (see :func:`evaluate_slices`)."""
     from rlk3.engine import EngineConfig, RolloutEngine
@@ -120,7 +124,7 @@ def evaluate_policy(
 
         async def main():
             try:
-                return await evaluate_slices(loop, slices, n)
+                return await evaluate_slices(loop, slices, n, files=files)
             finally:
                 await loop.front.close()
 

@@ -42,7 +42,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from envs.tasks import Task, get_tasks
+from envs.tasks import Task, file_tasks, get_tasks
 from rlk3.rollout.agent_loop import AgentLoop
 from rlk3.rollout.trajectory import Status, Trajectory
 
@@ -56,7 +56,9 @@ class Prompt:
 
 class PromptSource:
     """Training prompts over a weighted domain mix and a set of effort levels; position ``p`` always draws the same
-    prompt (seeded), so resuming at a saved position continues the same data order."""
+    prompt (seeded), so resuming at a saved position continues the same data order. A domain draws from the first
+    ``train_size`` tasks of its synthetic suite's train split, or, when ``files`` names a task file for it
+    (domain → (path, format), ``tasks.files``), from every task of that file's train split."""
 
     def __init__(
         self,
@@ -67,6 +69,7 @@ class PromptSource:
         weights: list[float] | None = None,
         train_size: int = 4096,
         seed: int = 0,
+        files: dict[str, tuple[str, str]] | None = None,
     ) -> None:
         if not domains or not efforts:
             raise ValueError("PromptSource needs at least one domain and one effort level")
@@ -77,6 +80,13 @@ class PromptSource:
         self.budget = budget
         self.train_size = train_size
         self.seed = seed
+        self.files = {d: tuple(f) for d, f in (files or {}).items() if d in self.domains}
+        # the train tasks of each file, read once (and each record checked) when the source is made
+        self.file_train = {d: file_tasks(self.files, d, "train") for d in self.files}
+        for d, tasks in self.file_train.items():
+            if not tasks:
+                raise ValueError(f"tasks.files.{d}: {self.files[d][0]} has no train records (every record's question "
+                                 "hashes to the held-out split; envs/tasks/loaders.py)")
         self.position = 0
 
     def next(self, step: int) -> Prompt:
@@ -85,7 +95,11 @@ class PromptSource:
         rng = random.Random(f"prompts|{self.seed}|{p}")
         domain = rng.choices(self.domains, self.weights)[0]
         effort = rng.choice(self.efforts)
-        (task,) = get_tasks(domain, "train", 1, start=(p * 7919) % self.train_size)
+        if domain in self.file_train:
+            pool = self.file_train[domain]
+            task = pool[(p * 7919) % len(pool)]
+        else:
+            (task,) = get_tasks(domain, "train", 1, start=(p * 7919) % self.train_size)
         return Prompt(task, effort, self.budget(effort, step))
 
     def state(self) -> dict:

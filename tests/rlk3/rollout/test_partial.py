@@ -200,3 +200,32 @@ def test_lambda_is_validated(general_policy):
     model, tok = general_policy
     with pytest.raises(ValueError, match=r"rollout\.lam must be in"):
         make(model, tok, lam=0.0)
+
+
+def test_a_prompt_source_with_a_task_file_draws_its_train_tasks_only(tmp_path):
+    """``tasks.files`` reached no stage: PromptSource drew the synthetic suite whatever file the run named. Given a
+    file, it draws every train task of that file and never a held-out one, in the same order in every instance, and
+    resumes that order from a saved position."""
+    from envs.tasks.loaders import load
+    from tests.envs.test_tasks import gsm8k_file
+
+    f = gsm8k_file(tmp_path / "gsm8k.jsonl", 30)
+    train = {t.task_id for t in load(f, "gsm8k", "train")}
+    held = {t.task_id for t in load(f, "gsm8k", "heldout")}
+    assert train and held
+
+    def source():
+        return PromptSource(["general"], ["high"], lambda effort, step: None, seed=1,
+                            files={"general": (str(f), "gsm8k")})
+
+    a = source()
+    drawn = [a.next(0).task for _ in range(4 * len(train))]
+    assert {t.task_id for t in drawn} == train  # all of them, and nothing else
+    assert all(t.domain == "general" and t.grader == "answer" for t in drawn)
+    b = source()
+    assert [b.next(0).task.task_id for _ in range(len(drawn))] == [t.task_id for t in drawn]
+    c, d = source(), source()
+    for _ in range(7):
+        c.next(0)
+    d.load_state(c.state())
+    assert [d.next(0).task.task_id for _ in range(10)] == [t.task_id for t in drawn[7:17]]
