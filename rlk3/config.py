@@ -6,7 +6,8 @@ plus its own keys), merged in order, each fragment's own ``defaults`` first, the
 ``key=value`` overrides from the command line. The schema below is the whole vocabulary: an unknown key anywhere is an
 error naming it and the valid keys at that level; every value is range-checked with a message naming the key,
 the bad value and what would be valid. The checkpoints a stage reads (``model.init_from``, ``mopd.teachers``) are
-checked when it starts (``check_paths``), so that a config naming placeholders still loads.
+checked when it starts (``check_paths``), so that a config naming placeholders still loads; so are the records of
+``tasks.files`` (their keys, formats, suffixes and existence are checked at load).
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ class TasksConfig:
     train_size: int = 4096  # distinct training tasks per domain (synthetic suites are unbounded)
     heldout_size: int = 64  # held-out tasks per domain for evaluation
     heldout_sizes: dict[str, int] = field(default_factory=dict)  # per-domain exceptions, e.g. {general: 400}
-    # domain -> local JSONL/parquet (public formats): not read by any stage yet, so validation refuses entries
-    files: dict[str, str] = field(default_factory=dict)
-    file_format: str = "gsm8k"  # the format of tasks.files (envs.tasks.loaders.FORMATS)
+    # domain -> a local .jsonl/.json/.parquet task file that replaces the domain's synthetic suite in training and
+    # held-out evaluation: a path (general: gsm8k, agentic: swe) or {path: ..., format: ...} (coding: mbpp | humaneval)
+    files: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -305,11 +306,27 @@ def derive(cfg: Config, changes: dict[str, Any]) -> Config:
         OmegaConf.set_struct(OmegaConf.select(base, key), False)
     new = _merge(base, new, "derived config")
     for key, value in changes.items():
+        if isinstance(value, dict) and key in FREE_FORM:  # the mapping given is the key's value, not merged onto it
+            OmegaConf.update(new, key, value, merge=False)
+            OmegaConf.set_struct(OmegaConf.select(new, key), False)
+            continue
         new = _merge(new, OmegaConf.from_dotlist([f"{key}={value}"]) if not isinstance(value, (list, dict))
                      else OmegaConf.create(_nest(key, value)), f"derived config ({key})")
     validate(new)
     OmegaConf.set_readonly(new, True)
     return new  # type: ignore[return-value]
+
+
+# a path alone in tasks.files takes its domain's one format; coding has two (mbpp, humaneval), so it names its own
+FILE_FORMAT_OF = {"general": "gsm8k", "agentic": "swe"}
+
+
+def task_files(cfg: Config) -> dict[str, tuple[str, str]]:
+    """``tasks.files`` as domain -> (path, format) (checked by ``validate``)."""
+    out = {}
+    for d, v in cfg.tasks.files.items():
+        out[str(d)] = (str(v), FILE_FORMAT_OF[d]) if isinstance(v, str) else (str(v["path"]), str(v["format"]))
+    return out
 
 
 def heldout_sizes(cfg: Config) -> dict[str, int]:
@@ -485,6 +502,46 @@ def _range(key: str, value, lo=None, hi=None, lo_open=False) -> None:
         raise ConfigError(f"{key} must be in {'(' if lo_open else '['}{lo_s}, {hi_s}], got {value!r}")
 
 
+def _check_task_files(cfg: Config) -> None:
+    """``tasks.files``: each key a domain the run trains, each value a path or {path, format} with a format of that
+    domain, naming an existing .jsonl/.json/.parquet file. The records themselves are read when the stage starts
+    (``check_paths``)."""
+    from envs.tasks.loaders import DOMAIN_OF, FORMATS, SUFFIXES
+
+    files = cfg.tasks.files
+    if files and cfg.run.stage == "sft":
+        raise ConfigError(f"tasks.files={_overrides(cfg, files)}: the sft stage demonstrates the synthetic suites "
+                          "(rlk3/rollout/demos.py) and reads no task file; tasks.files is for the rl, mopd, teachers "
+                          "and demo stages (training prompts and held-out evaluation)")
+    for d, v in files.items():
+        key = f"tasks.files.{d}"
+        if d not in cfg.tasks.domains:
+            raise ConfigError(f"tasks.files key {d!r} must be a domain of tasks.domains={list(cfg.tasks.domains)} "
+                              f"(a file replaces a trained domain's tasks; domains: {list(DOMAINS)})")
+        formats = [f for f in FORMATS if DOMAIN_OF[f] == d]
+        if isinstance(v, str):
+            if d not in FILE_FORMAT_OF:
+                raise ConfigError(f"{key}={v!r}: a {d} file is one of {formats}; name it: "
+                                  f"{key}={{path: {v}, format: {formats[0]}}}")
+            path, fmt = v, FILE_FORMAT_OF[d]
+        elif isinstance(v, DictConfig | dict) and set(v.keys()) == {"path", "format"}:
+            path, fmt = v["path"], v["format"]
+        else:
+            plain = OmegaConf.to_container(v) if OmegaConf.is_config(v) else v
+            raise ConfigError(f"{key} must be a path or {{path: ..., format: ...}}, got {plain!r}")
+        if fmt not in FORMATS:
+            raise ConfigError(f"{key}.format must be one of {list(FORMATS)}, got {fmt!r}")
+        if DOMAIN_OF[fmt] != d:
+            raise ConfigError(f"{key}: format {fmt!r} makes {DOMAIN_OF[fmt]} tasks, not {d} ones; a {d} file is "
+                              f"one of {formats}")
+        p = Path(str(path))
+        where = f"{key}={str(path)!r}" + ("" if p.is_absolute() else f" ({p.resolve()})")
+        if p.suffix not in SUFFIXES:
+            raise ConfigError(f"{where}: a task file is {', '.join(SUFFIXES)}, got {p.suffix or 'no suffix'!r}")
+        if not p.is_file():
+            raise ConfigError(f"{where}: no such file")
+
+
 def validate(cfg: Config) -> None:
     """Every cross-field and range rule, before anything is allocated."""
     from rlk3.algo.advantages import ESTIMATORS
@@ -517,12 +574,7 @@ def validate(cfg: Config) -> None:
     for d, n in cfg.tasks.heldout_sizes.items():
         _in("tasks.heldout_sizes key", d, DOMAINS)
         _range(f"tasks.heldout_sizes.{d}", n, 0)
-    # no stage reads task files yet (training and evaluation draw from envs.tasks' synthetic suites): a run given
-    # some would train and report on the synthetic tasks as if it had used them
-    if cfg.tasks.files:
-        raise ConfigError(f"tasks.files={dict(cfg.tasks.files)}: no stage reads task files yet (the tasks come from "
-                          f"envs.tasks' synthetic suites for {list(DOMAINS)}); leave tasks.files empty. "
-                          f"envs.tasks.loaders.load reads gsm8k/mbpp/humaneval/swe files outside the pipeline")
+    _check_task_files(cfg)
     _in("effort.level", cfg.effort.level, EFFORTS)
     _range("effort.budget", cfg.effort.budget, 1)
     if cfg.effort.budget_start and cfg.effort.budget_start < cfg.effort.budget:
@@ -695,7 +747,8 @@ def _check_checkpoint(key: str, path: str, tokenizer: bool = True) -> None:
 
 
 def check_paths(cfg: Config) -> None:
-    """The checkpoints ``cfg``'s stage will read, checked before it starts anything (``rlk3.pipeline.run_stage``).
+    """The checkpoints ``cfg``'s stage will read and the records of its task files, checked before it starts anything
+    (``rlk3.pipeline.run_stage``).
     Not part of ``validate``: configs that are loaded but not run (tests, ``--print-config``) may name placeholders.
     Relative paths are read from the current directory, as the driver and the Ray workers it starts read them
     (under ``ray job submit``, the job's copy of its working_dir: give absolute paths there)."""
@@ -707,3 +760,26 @@ def check_paths(cfg: Config) -> None:
     if stage == "mopd":
         for key, path in cfg.mopd.teachers.items():
             _check_checkpoint(f"mopd.teachers[{key!r}]", path)
+    _check_task_records(cfg)
+
+
+def _check_task_records(cfg: Config) -> None:
+    """Every record of every ``tasks.files`` file converts to a task (the error names the record), and each file
+    has train tasks to draw, and held-out ones where the domain is evaluated."""
+    from envs.tasks import TaskError, file_tasks
+
+    files = task_files(cfg)
+    sizes = heldout_sizes(cfg)
+    for d, (path, _fmt) in files.items():
+        try:
+            train, heldout = file_tasks(files, d, "train"), file_tasks(files, d, "heldout")
+        except TaskError as e:
+            raise ConfigError(f"tasks.files.{d}: {e}") from None
+        # a record's split is its question's hash (envs/tasks/loaders.py): a tiny file may put all of them on one side
+        if not train:
+            raise ConfigError(f"tasks.files.{d}={path!r}: none of its {len(heldout)} records is in the train split "
+                              "(one question hash in five is held out); give it more records")
+        if not heldout and sizes[d]:
+            raise ConfigError(f"tasks.files.{d}={path!r}: none of its {len(train)} records is in the held-out split "
+                              f"(one question hash in five), so {d} cannot be evaluated; give it more records or set "
+                              f"tasks.heldout_sizes.{d}=0")

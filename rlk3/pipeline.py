@@ -29,6 +29,7 @@ from rlk3.config import (
     heldout_sizes,
     load_config,
     student_changes,
+    task_files,
     teacher_changes,
 )
 from rlk3.rollout.demos import DEFAULT_BUDGETS
@@ -87,6 +88,8 @@ def run_teachers(cfg, sft: str | None = None, log=print) -> dict[str, str]:
             name = f"teacher-{domain}-{effort}"
             subs[domain, effort] = derive(cfg, {
                 "run.stage": "rl", "run.name": name, "run.output_dir": str(root / name), "tasks.domains": [domain],
+                "tasks.files": {d: {"path": path, "format": fmt} for d, (path, fmt) in task_files(cfg).items()
+                                if d == domain},
                 "model.init_from": sft, "effort.anneal_steps": cfg.effort.anneal_steps, **EFFORT_SETTINGS[effort],
                 **teacher_changes(cfg, domain, effort)})
     parallel = cfg.teachers.parallel or min(runs_that_fit(subs[cfg.tasks.domains[0], "high"]), len(subs))
@@ -137,10 +140,10 @@ def _evaluate_model(job) -> tuple[dict, int, float]:
     """One model of ``run_eval``: its eval.json entry, how many graders raised, and the seconds it took."""
     from rlk3.rollout.evaluate import evaluate_policy, load_policy
 
-    name, kind, d, e, path, mine, n, loop = job
+    name, kind, d, e, path, mine, n, loop, files = job
     t0 = time.time()
     policy, tok = load_policy(path)
-    res, _ = evaluate_policy(policy, tok, mine, n, loop_config=loop)
+    res, _ = evaluate_policy(policy, tok, mine, n, loop_config=loop, files=files)
     entry = {"name": name, "kind": kind, "slices": [r.to_dict() for r in res]}
     if d is not None:
         entry |= {"domain": d, "effort": e}
@@ -166,7 +169,8 @@ def run_demo(cfg, log=print) -> Path:
     log(f"demo: SFT ready ({time.time() - t0:.0f}s)")
     teachers = run_teachers(derive(cfg, {"run.stage": "teachers", "run.output_dir": str(root)}), str(sft), log=log)
     log(f"demo: nine teachers ready ({time.time() - t0:.0f}s)")
-    manifest = {"sft": str(sft), "teachers": teachers, "heldout": heldout_sizes(cfg), "loop": eval_loop(cfg)}
+    manifest = {"sft": str(sft), "teachers": teachers, "heldout": heldout_sizes(cfg), "loop": eval_loop(cfg),
+                "files": manifest_files(cfg)}
     # the base and the teachers are evaluated while the student trains (Evaluation); results do not depend on it
     with Evaluation.of_manifest(manifest, log=log) as evaluation:
         for model in manifest_models(manifest):
@@ -187,6 +191,12 @@ def run_demo(cfg, log=print) -> Path:
     return report
 
 
+def manifest_files(cfg) -> dict[str, list[str]]:
+    """``tasks.files`` for a run manifest: domain -> [absolute path, format], so that ``rlk3 eval`` of the manifest,
+    from any directory, evaluates those domains on their files' held-out splits."""
+    return {d: [str(Path(path).resolve()), fmt] for d, (path, fmt) in task_files(cfg).items()}
+
+
 def eval_loop(cfg) -> dict:
     """The agent loop's limits the runs trained under, which the evaluation keeps (greedy): a model evaluated with
     more turns than it was trained with retries past its budget where training would have stopped it."""
@@ -204,8 +214,10 @@ class Evaluation:
 
     KINDS = ("sft", "teacher", "student")
 
-    def __init__(self, tasks_per_slice: dict[str, int], loop, workers: int | None = None, log=print) -> None:
+    def __init__(self, tasks_per_slice: dict[str, int], loop, workers: int | None = None, log=print,
+                 files: dict[str, tuple[str, str]] | None = None) -> None:
         self.n, self.loop, self.log = tasks_per_slice, loop, log
+        self.files = {d: tuple(f) for d, f in (files or {}).items()}  # domain -> (path, format): its held-out tasks
         workers = workers or min(os.cpu_count() or 1, 4)
         # k3-tiny's small ops use one core poorly (and two threads beside a busy process spin), so models run side by
         # side at one thread each
@@ -218,12 +230,13 @@ class Evaluation:
 
     @classmethod
     def of_manifest(cls, m: dict, n: int | None = None, workers: int | None = None, log=print) -> Evaluation:
-        """For a run manifest's models: its held-out counts (``n`` for every domain instead) and the agent loop's
-        limits the runs trained under, greedy (older manifests: one count for every domain, the loop's defaults)."""
+        """For a run manifest's models: its held-out counts (``n`` for every domain instead), the agent loop's
+        limits the runs trained under, greedy, and its task files (older manifests: one count for every domain, the
+        loop's defaults, no files)."""
         from rlk3.rollout.agent_loop import LoopConfig
 
         loop = LoopConfig(temperature=0.0, **m["loop"]) if m.get("loop") else None
-        return cls(tasks_per_slice(m.get("heldout", 40), n), loop, workers, log)
+        return cls(tasks_per_slice(m.get("heldout", 40), n), loop, workers, log, files=m.get("files"))
 
     def __contains__(self, name: str) -> bool:
         return name in self.kinds
@@ -233,7 +246,7 @@ class Evaluation:
             raise ValueError(f"model {name!r} ({kind!r}): kinds are {self.KINDS}, each name added once")
         self.kinds[name] = kind
         slices = [(d, e, DEFAULT_BUDGETS[e]) for d in DOMAINS for e in EFFORTS if domain is None or d == domain]
-        job = (name, kind, domain, effort, path, slices, self.n, self.loop)
+        job = (name, kind, domain, effort, path, slices, self.n, self.loop, self.files)
         if self.pool is None:
             self._done(*_evaluate_model(job))
         else:

@@ -66,6 +66,7 @@ def engine_config(cfg):
 
 class RolloutWorker:
     def __init__(self, cfg, state_dir: str) -> None:
+        from rlk3.config import task_files
         from rlk3.engine import RolloutEngine
         from rlk3.rollout.agent_loop import LoopConfig
         from rlk3.rollout.env import RolloutEnv
@@ -92,7 +93,7 @@ class RolloutWorker:
         budget, _ = budget_fn(cfg)
         efforts = [cfg.effort.level] if cfg.run.stage == "rl" else list(r.efforts)
         source = PromptSource(list(cfg.tasks.domains), efforts, budget, weights=list(cfg.tasks.weights) or None,
-                              train_size=cfg.tasks.train_size, seed=cfg.run.seed)
+                              train_size=cfg.tasks.train_size, seed=cfg.run.seed, files=task_files(cfg))
         self.partial = PartialRollouts(self.loop, source, groups=r.groups_per_iteration, group_size=r.group_size,
                                        lam=r.lam, max_staleness=r.max_staleness, top_up=r.top_up)
         self.aio = asyncio.new_event_loop()
@@ -148,6 +149,7 @@ class RolloutWorker:
         self.partial.load_state(s)
 
     def evaluate(self, slices: list[tuple[str, str, int | None]], n: int | dict[str, int]) -> list[dict]:
+        from rlk3.config import task_files
         from rlk3.rollout.agent_loop import AgentLoop, LoopConfig
         from rlk3.rollout.evaluate import evaluate_slices
 
@@ -162,7 +164,7 @@ class RolloutWorker:
         if released:
             self.engine.reacquire_memory()
         try:
-            res, _ = self.aio.run_until_complete(evaluate_slices(greedy, slices, n))
+            res, _ = self.aio.run_until_complete(evaluate_slices(greedy, slices, n, files=task_files(self.cfg)))
         finally:
             if released:
                 self.engine.release_memory()

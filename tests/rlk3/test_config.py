@@ -4,6 +4,7 @@ import re
 
 import pytest
 
+from envs.tasks.loaders import EXAMPLES
 from rlk3.config import CONFIG_DIR, ConfigError, load_config
 
 
@@ -140,14 +141,76 @@ def test_composes_defaults_file_and_overrides(tmp_path):
          r"model.overrides.vocab_size is set from the tokenizer's size \(sft.vocab_size"),
         ("defaults: [stage/teachers]\n", ["teachers.overrides.coding.model.overrides.hidden_size=0"],
          r"teachers.overrides.coding: model.overrides.hidden_size must be an int >= 1, got 0"),
-        # tasks.files was accepted and never read: the run trained on the synthetic suites instead
+        # tasks.files: a domain the run trains, a format of that domain, an existing .jsonl/.json/.parquet file
+        ("defaults: [stage/rl]\n", [f"tasks.files={{coding: {{path: {EXAMPLES}/mbpp.jsonl, format: mbpp}}}}"],
+         r"tasks.files key 'coding' must be a domain of tasks.domains=\['general'\] .*domains: \['general', "),
+        ("defaults: [stage/rl]\n", [f"tasks.files={{math: {EXAMPLES}/gsm8k.jsonl}}"],
+         r"tasks.files key 'math' must be a domain of tasks.domains=\['general'\]"),
+        ("defaults: [stage/rl]\n", [f"tasks.files={{general: {{path: {EXAMPLES}/mbpp.jsonl, format: mbpp}}}}"],
+         r"tasks.files.general: format 'mbpp' makes coding tasks, not general ones; a general file is one of "
+         r"\['gsm8k'\]"),
+        ("defaults: [stage/rl]\n", [f"tasks.files={{general: {{path: {EXAMPLES}/gsm8k.jsonl, format: gsm}}}}"],
+         r"tasks.files.general.format must be one of \['gsm8k', 'mbpp', 'humaneval', 'swe'\], got 'gsm'"),
+        ("defaults: [stage/rl]\n", ["tasks.domains=[coding]", f"tasks.files={{coding: {EXAMPLES}/mbpp.jsonl}}"],
+         r"tasks.files.coding='.*mbpp.jsonl': a coding file is one of \['mbpp', 'humaneval'\]; name it: "
+         r"tasks.files.coding=\{path: .*mbpp.jsonl, format: mbpp\}"),
         ("defaults: [stage/rl]\n", ["tasks.files={general: /data/gsm8k.jsonl}"],
-         r"tasks.files=\{'general': '/data/gsm8k.jsonl'\}: no stage reads task files yet"),
+         r"tasks.files.general='/data/gsm8k.jsonl': no such file"),
+        ("defaults: [stage/rl]\n", [f"tasks.files={{general: {EXAMPLES.parent}/loaders.py}}"],
+         r"tasks.files.general='.*loaders.py': a task file is .jsonl, .json, .parquet, got '.py'"),
+        ("defaults: [stage/rl]\n", ["tasks.files={general: [a.jsonl]}"],
+         r"tasks.files.general must be a path or \{path: ..., format: ...\}, got \['a.jsonl'\]"),
+        ("defaults: [stage/sft]\n", [f"tasks.files={{general: {EXAMPLES}/gsm8k.jsonl}}"],
+         r"tasks.files=.*: the sft stage demonstrates the synthetic suites .* reads no task file"),
     ],
 )
 def test_bad_configs_name_the_key_and_valid_values(tmp_path, text, overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config(write(tmp_path, text), overrides)
+
+
+def test_task_files_take_a_path_or_a_path_and_format_and_their_records_are_read_before_the_stage(tmp_path):
+    """A path alone takes its domain's one format (general: gsm8k, agentic: swe); coding names mbpp or humaneval.
+    The stage's entry (``check_paths``, before Ray) reads every record: a bad one is an error naming it, and so is a
+    file whose records all hash to one side of the train/held-out split."""
+    import json
+
+    from rlk3.config import check_paths, derive, task_files
+
+    cfg = load_config(write(tmp_path, "defaults: [stage/teachers]\n"), [
+        "tasks.domains=[general, coding, agentic]", f"tasks.files.general={EXAMPLES}/gsm8k.jsonl",
+        f"tasks.files.coding={{path: {EXAMPLES}/mbpp.jsonl, format: mbpp}}",
+        f"tasks.files.agentic={EXAMPLES}/swe.jsonl"])
+    assert task_files(cfg) == {"general": (f"{EXAMPLES}/gsm8k.jsonl", "gsm8k"),
+                               "coding": (f"{EXAMPLES}/mbpp.jsonl", "mbpp"),
+                               "agentic": (f"{EXAMPLES}/swe.jsonl", "swe")}
+    # a teacher trains one domain: its config keeps that domain's file only (the others would not be its domains)
+    teacher = derive(cfg, {"run.stage": "rl", "tasks.domains": ["coding"],
+                           "tasks.files": {"coding": {"path": f"{EXAMPLES}/mbpp.jsonl", "format": "mbpp"}}})
+    assert task_files(teacher) == {"coding": (f"{EXAMPLES}/mbpp.jsonl", "mbpp")}
+
+    bad = tmp_path / "bad.jsonl"
+    rows = [{"question": f"What is {a} + 1?", "answer": f"#### {a + 1}"} for a in range(12)]
+    bad.write_text("".join(json.dumps(r) + "\n" for r in [*rows, {"question": "2+2?", "answer": "4"}]))
+    run = load_config(write(tmp_path, "defaults: [stage/rl]\n"), [f"tasks.files={{general: {bad}}}"])
+    with pytest.raises(ConfigError, match=r"tasks.files.general: gsm8k record 12: answer must end with '#### "):
+        check_paths(run)
+    # one question hash in five is held out: the example's two records are one train, one held out; a file of one
+    # held-out record has nothing to train on
+    one = tmp_path / "one.jsonl"
+    one.write_text((EXAMPLES / "gsm8k.jsonl").read_text().splitlines()[0] + "\n")
+    run = load_config(write(tmp_path, "defaults: [stage/rl]\n"), [f"tasks.files={{general: {one}}}"])
+    with pytest.raises(ConfigError, match=r"tasks.files.general='.*one.jsonl': none of its 1 records is in the "
+                                          r"train split"):
+        check_paths(run)
+    check_paths(load_config(write(tmp_path, "defaults: [stage/rl]\n"),
+                            [f"tasks.files={{general: {EXAMPLES}/gsm8k.jsonl}}"]))
+    # the swe example's two records are both train: the domain could not be evaluated
+    run = load_config(write(tmp_path, "defaults: [stage/rl]\n"),
+                      ["tasks.domains=[agentic]", f"tasks.files={{agentic: {EXAMPLES}/swe.jsonl}}"])
+    with pytest.raises(ConfigError, match=r"none of its 2 records is in the held-out split .* set "
+                                          r"tasks.heldout_sizes.agentic=0"):
+        check_paths(run)
 
 
 def test_rollout_engine_settings_reach_the_rollout_workers_engine(tmp_path):

@@ -79,3 +79,28 @@ def test_demo_pipeline_at_toy_scale(general_policy, tmp_path):
 
     run_eval(root / "manifest.json", log=lambda _: None, workers=1)
     assert json.loads((root / "eval.json").read_text()) == ev
+
+
+def test_the_eval_stage_evaluates_a_domain_on_its_task_files_heldout_tasks(general_policy, tmp_path):
+    """A run manifest records ``tasks.files`` (absolute paths), and ``python -m rlk3 eval`` of it evaluates those
+    domains on the files' held-out tasks, not the synthetic suite's."""
+    from envs.tasks.loaders import load
+    from rlk3.pipeline import Evaluation, _evaluate_model, manifest_files
+    from tests.envs.test_tasks import gsm8k_file
+
+    model, tok = general_policy
+    model.save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    f = gsm8k_file(tmp_path / "gsm8k.jsonl", 30)
+    held = load(f, "gsm8k", "heldout")
+    cfg = load_config(ROOT / "configs/quickstart.yaml", [f"tasks.files={{general: {f}}}"])
+    m = {"sft": str(tmp_path / "base"), "heldout": {"general": 64, "agentic": 1, "coding": 1},
+         "loop": {"max_turns": 1, "max_turn_tokens": 16, "max_context_tokens": 512}, "files": manifest_files(cfg)}
+    assert m["files"] == {"general": [str(f.resolve()), "gsm8k"]}
+    ev = Evaluation.of_manifest(json.loads(json.dumps(m)), workers=1)  # as run_eval reads it back
+    try:
+        entry, bad, _ = _evaluate_model(("sft", "sft", "general", "high", m["sft"], [("general", "high", None)],
+                                         ev.n, ev.loop, ev.files))
+    finally:
+        ev.close()
+    assert 0 < len(held) < 64 and [s["n"] for s in entry["slices"]] == [len(held)] and bad == 0

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import rlk3.cluster.driver as driver
-from rlk3.config import load_config
+from rlk3.config import load_config, task_files
 from rlk3.pipeline import run_teachers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,7 +39,8 @@ class Recorder:
             self.running += 1
             self.most = max(self.most, self.running)
             self.runs[name] = {"start": time.monotonic(), "from": cfg.model.init_from, "effort": cfg.effort.level,
-                               "budget": cfg.effort.budget, "domains": list(cfg.tasks.domains)}
+                               "budget": cfg.effort.budget, "domains": list(cfg.tasks.domains),
+                               "files": task_files(cfg)}
             if not self.reached and self.running >= self.overlap:
                 self.reached = True
                 self.changed.notify_all()
@@ -90,6 +91,22 @@ def test_teachers_run_side_by_side_after_their_high_teacher(tmp_path, monkeypatc
     # side by side, each run's lines carry its name
     assert ("teacher-coding-low it   0 | reward +0.000" in lines) == (parallel > 1)
     assert lines.count("it   0 | reward +0.000") == (9 if parallel == 1 else 0)
+
+
+def test_each_teacher_trains_on_its_own_domains_task_file(tmp_path, monkeypatch):
+    """``tasks.files`` names files for several domains; a teacher trains one domain, so its config keeps that
+    domain's file (a general file in the coding teacher's config would be a domain it does not train: refused)."""
+    from envs.tasks.loaders import EXAMPLES
+
+    rec = Recorder()
+    monkeypatch.setattr(driver, "run_rl", rec)
+    general, coding = str(EXAMPLES / "gsm8k.jsonl"), str(EXAMPLES / "mbpp.jsonl")
+    run_teachers(teachers_config(tmp_path, "teachers.parallel=1", f"tasks.files.general={general}",
+                                 f"tasks.files.coding={{path: {coding}, format: mbpp}}"), log=lambda _: None)
+    for e in ("high", "medium", "low"):
+        assert rec.runs[f"teacher-general-{e}"]["files"] == {"general": (general, "gsm8k")}
+        assert rec.runs[f"teacher-coding-{e}"]["files"] == {"coding": (coding, "mbpp")}
+        assert rec.runs[f"teacher-agentic-{e}"]["files"] == {}
 
 
 def test_a_failed_teacher_stops_the_schedule_and_keeps_the_others(tmp_path, monkeypatch):

@@ -46,3 +46,35 @@ def test_model_dtype_sets_the_rollout_engines_precision_and_the_trainer_stays_fl
         assert len(out.token_ids) == 4 and out.versions == [1] * 4
     finally:
         rollout.close()
+
+
+def test_an_rl_iteration_trains_on_the_task_files_prompts_and_evaluates_on_its_heldout_ones(tmp_path, monkeypatch):
+    """``tasks.files`` end to end: the real driver, rollout worker and trainer in this process (Ray's API stood in,
+    tests/test_docs.py's ``_run_in_process``). Every episode of the iteration is one of the file's train tasks, and
+    the evaluation after it runs the file's held-out tasks, none of the synthetic suite's."""
+    from envs.tasks.loaders import load
+    from rlk3.rollout.agent_loop import AgentLoop
+    from tests.envs.test_tasks import gsm8k_file
+    from tests.test_docs import _run_in_process
+
+    f = gsm8k_file(tmp_path / "gsm8k.jsonl", 30)
+    train = {t.task_id for t in load(f, "gsm8k", "train")}
+    held = [t.task_id for t in load(f, "gsm8k", "heldout")]
+    episodes = []  # (uid, task id) of every episode the agent loop runs
+    real_run = AgentLoop.run
+
+    async def run(self, task, traj):
+        episodes.append((traj.uid, task.task_id))
+        return await real_run(self, task, traj)
+
+    monkeypatch.setattr(AgentLoop, "run", run)
+    cfg = load_config(ROOT / "configs/quickstart.yaml", [
+        f"tasks.files={{general: {f}}}", f"run.output_dir={tmp_path / 'run'}", "model.init_from=null",
+        "model.overrides={num_hidden_layers: 2}", "run.iterations=1", "run.eval_every=1", "run.checkpoint_every=1",
+        "run.log_tensorboard=false", "rollout.groups_per_iteration=3", "rollout.group_size=2",
+        "rollout.max_new_tokens=8", "cluster.cpu_threads=1"])
+    rows = _run_in_process(monkeypatch, cfg)
+    trained = [tid for uid, tid in episodes if not uid.startswith("eval-")]
+    assert len(trained) == 6 and set(trained) <= train
+    assert [tid for uid, tid in episodes if uid.startswith("eval-")] == held
+    assert "eval/general/high/pass_rate" in rows[-1]
