@@ -75,6 +75,6 @@ def test_an_rl_iteration_trains_on_the_task_files_prompts_and_evaluates_on_its_h
         "rollout.max_new_tokens=8", "cluster.cpu_threads=1"])
     rows = _run_in_process(monkeypatch, cfg)
     trained = [tid for uid, tid in episodes if not uid.startswith("eval-")]
-    assert len(trained) == 6 and set(trained) <= train
+    assert len(trained) == 6 and set(trained) <= train and all(t.startswith("gsm8k/train/") for t in trained)
     assert [tid for uid, tid in episodes if uid.startswith("eval-")] == held
     assert "eval/general/high/pass_rate" in rows[-1]

@@ -34,3 +34,4 @@ def test_a_domain_with_a_task_file_is_evaluated_on_the_files_heldout_tasks(gener
     (res,), trajs = asyncio.run(run({"general": 64}))
     assert 0 < len(held) < 64 and res.n == len(held)
     assert [t.task_id for t in trajs] == [t.task_id for t in held]
+    assert all(t.task_id.startswith("gsm8k/heldout/") for t in trajs)  # none of the file's train tasks
