@@ -3,7 +3,8 @@
 1. Demonstrations per domain (``rlk3.rollout.demos``): reference solutions replayed through the harness at every
    effort level, imperfect on purpose.
 2. A byte-level BPE tokenizer trained on the rendered demonstrations (``harness.tokenizer.train_tokenizer``), so
-   the system prompts and tool syntax cost a handful of tokens, not hundreds.
+   the system prompts and tool syntax cost a handful of tokens, not hundreds (from ``model.init_from``: the
+   checkpoint's own tokenizer, whose ids its embeddings are indexed by).
 3. The model from its preset with ``vocab_size = len(tokenizer)`` (or from ``model.init_from``).
 4. ``trl.SFTTrainer`` on pre-tokenized rows (``input_ids`` + ``assistant_masks``): loss on assistant tokens only.
 5. ``save_pretrained`` of model and tokenizer plus ``sft_manifest.json`` (demo counts, loss curve, timings; the
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 
 from harness import Harness
-from harness.tokenizer import train_tokenizer
+from harness.tokenizer import load_tokenizer, train_tokenizer
 from rlk3.model import K3Config, K3ForCausalLM
 from rlk3.rollout.demos import DOMAIN_PRESETS, HABITS, Demo, build_demos, habit_of
 
@@ -205,7 +206,10 @@ def run_sft(cfg, log=print) -> Path:
     counts = {d: sum(x.domain == d for x in demos) for d in cfg.tasks.domains}
     log(f"sft: {len(demos)} demonstrations ({', '.join(f'{d} {n}' for d, n in counts.items())}) in {demos_s:.1f}s")
 
-    tok = train_tokenizer(render_corpus(demos, None), vocab_size=cfg.sft.vocab_size, out_dir=None)
+    if cfg.model.init_from:  # the checkpoint's embeddings are indexed by its own tokenizer's ids: keep it
+        tok = load_tokenizer(cfg.model.init_from)
+    else:
+        tok = train_tokenizer(render_corpus(demos, None), vocab_size=cfg.sft.vocab_size, out_dir=None)
     rows, dropped = tokenized_rows(demos, tok, cfg.sft.max_length)
     random.Random(cfg.run.seed).shuffle(rows)
     lengths = [len(r["input_ids"]) for r in rows]

@@ -83,3 +83,25 @@ def test_the_closing_stage_trains_the_habit_in(tmp_path):
     task = next(t for t in get_tasks("general", "heldout", 50) if any(x < 0 for x in t.meta["numbers"][1:]))
     gap = {n: _habit_margin(o, task) for n, o in outs.items()}
     assert gap["closing"] > gap["plain"] + 0.05, gap
+
+
+def test_sft_from_a_checkpoint_keeps_the_checkpoints_tokenizer(tmp_path):
+    """SFT with ``model.init_from`` trained a fresh tokenizer on its demonstrations and fed its ids to the
+    checkpoint's embeddings, which another tokenizer's ids index: every row meant other tokens to the model."""
+    import torch
+
+    from harness.tokenizer import default_tokenizer, load_tokenizer
+    from rlk3 import pipeline
+    from rlk3.config import CONFIG_DIR, load_config
+    from rlk3.model import K3Config, K3ForCausalLM
+
+    tok = default_tokenizer()
+    torch.manual_seed(0)
+    K3ForCausalLM(K3Config.preset("k3-tiny", num_hidden_layers=2, vocab_size=len(tok))).save_pretrained(tmp_path / "a")
+    tok.save_pretrained(tmp_path / "a")
+    cfg = load_config(CONFIG_DIR / "sft-tiny.yaml", [
+        f"run.output_dir={tmp_path / 'b'}", "run.stage=sft", f"model.init_from={tmp_path / 'a'}",
+        "tasks.domains=[general]", "sft.domain_demos.general=16", "sft.epochs=1", "sft.batch_size=16",
+        "sft.habit_stage.domain_demos.general=0"])
+    assert pipeline.run_stage(cfg) == 0
+    assert load_tokenizer(tmp_path / "b").get_vocab() == tok.get_vocab()
