@@ -273,7 +273,7 @@ def test_an_evaluation_between_iterations_takes_the_released_pool_back():
     model = K3ForCausalLM(K3Config.preset("k3-tiny", vocab_size=len(tok))).eval()
     worker = RolloutWorker.__new__(RolloutWorker)  # the parts evaluate() uses, without Ray or a config tree
     worker.cfg = SimpleNamespace(rollout=SimpleNamespace(max_new_tokens=8, max_total_tokens=2048),
-                                 harness=SimpleNamespace(max_turns=None))
+                                 harness=SimpleNamespace(max_turns=None), tasks=SimpleNamespace(files={}))
     worker.engine = RolloutEngine(model, EngineConfig(memory_bytes=64 << 20))
     worker.env = RolloutEnv(tok, domains=("general",)).__enter__()
     worker.loop = worker.env.loop(worker.engine, LoopConfig())
