@@ -231,19 +231,6 @@ class PrefillGraphs:
     def scratch_page(self) -> int:
         return self.scratch[-1]
 
-    def _widen(self, width: int) -> None:
-        """A table of at least ``width`` columns (a power of two, at most ``max_width``); the graphs that read the
-        old one are dropped and captured again on use. A replay still in flight keeps its graph and table alive:
-        CUDA frees a destroyed graph at its completion, and the caching allocator reuses the old table's memory
-        only after the work queued on this stream."""
-        self.width = min(self.max_width, 1 << (width - 1).bit_length())
-        self.block_tables = torch.full((len(self.rows), self.width), self.scratch[-1], dtype=torch.long,
-                                       device=self.pool.device)
-        self.dirty_cols = 0  # every column is the scratch page again; rows' other inputs stay as they are
-        self.graphs.clear()
-        self.outputs.clear()
-        self.batches.clear()
-
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits of the batch's real logit rows; the batch is padded (``batch.pad``)."""
         pad = batch.pad
