@@ -733,12 +733,12 @@ CHECKPOINT_FILES = (("config.json",), ("model.safetensors", "model.safetensors.i
                     ("tokenizer_config.json",))
 
 
-def _check_checkpoint(key: str, path: str, tokenizer: bool = True) -> None:
+def _check_checkpoint(key: str, path: str) -> None:
     p = Path(path)
     where = f"{key}={path!r}" + ("" if p.is_absolute() else f" ({p.resolve()}: relative to the current directory)")
     if not p.is_dir():
         raise ConfigError(f"{where}: no such checkpoint directory")
-    for names in CHECKPOINT_FILES if tokenizer else CHECKPOINT_FILES[:2]:
+    for names in CHECKPOINT_FILES:
         if not any((p / n).is_file() and os.access(p / n, os.R_OK) for n in names):
             raise ConfigError(f"{where}: no readable {' or '.join(names)} there; a checkpoint directory holds what "
                               f"save_pretrained writes for the model and its tokenizer "
@@ -755,8 +755,8 @@ def check_paths(cfg: Config) -> None:
     stage = cfg.run.stage
     # the demo stage runs SFT itself when model.init_from is not a checkpoint (docs/demo.md)
     if cfg.model.init_from and stage in ("sft", "rl", "mopd", "teachers"):
-        # SFT trains its own tokenizer and reads only the model
-        _check_checkpoint("model.init_from", cfg.model.init_from, tokenizer=stage != "sft")
+        # SFT too reads the tokenizer: a checkpoint's embeddings are indexed by its own tokenizer's ids
+        _check_checkpoint("model.init_from", cfg.model.init_from)
     if stage == "mopd":
         for key, path in cfg.mopd.teachers.items():
             _check_checkpoint(f"mopd.teachers[{key!r}]", path)

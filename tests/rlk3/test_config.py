@@ -377,9 +377,10 @@ def test_check_paths_reads_relative_paths_from_the_current_directory(tmp_path, m
     with pytest.raises(ConfigError, match=rf"model.init_from='runs/sft' \({re.escape(str(tmp_path))}/runs/sft: "
                                           r"relative to the current directory\): no readable model.safetensors"):
         check_paths(cfg)
-    # SFT reads the model alone (it trains its own tokenizer)
+    # SFT from a checkpoint reads its tokenizer too (the checkpoint's embeddings are indexed by its ids)
     fake_checkpoint(tmp_path / "runs/sft", CHECKPOINT[:2])
-    check_paths(load_config(write(tmp_path, "defaults: [stage/sft]\n"), ["model.init_from=runs/sft"]))
+    with pytest.raises(ConfigError, match=r"no readable tokenizer.json"):
+        check_paths(load_config(write(tmp_path, "defaults: [stage/sft]\n"), ["model.init_from=runs/sft"]))
 
 
 def test_a_checkpoint_rlk3_writes_passes_and_placeholders_load(tmp_path):
