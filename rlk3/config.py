@@ -557,6 +557,11 @@ def validate(cfg: Config) -> None:
     _in("model.preset", cfg.model.preset, sorted(PRESETS))
     _in("model.dtype", cfg.model.dtype, ("float32", "bfloat16"))
     _check_model_overrides(cfg)
+    if cfg.model.overrides and cfg.model.init_from:
+        # from_pretrained builds the architecture from the checkpoint's config.json; overrides would be ignored
+        raise ConfigError(f"model.overrides {_overrides(cfg, cfg.model.overrides)} has no effect with model.init_from="
+                          f"{cfg.model.init_from!r}: the checkpoint's config.json decides the architecture; drop the "
+                          f"overrides, or leave init_from unset to build a fresh model from model.preset + overrides")
     if cfg.model.init_from is not None and not Path(cfg.model.init_from).is_dir():
         raise ConfigError(f"model.init_from: checkpoint directory {cfg.model.init_from!r} does not exist")
     if not cfg.tasks.domains:
@@ -721,6 +726,21 @@ def validate(cfg: Config) -> None:
         _check_teacher_overrides(cfg)
     if cfg.run.stage == "demo":
         _check_student_overrides(cfg)
+        _check_demo_model(cfg)
+
+
+def _check_demo_model(cfg: Config) -> None:
+    """The demo stage builds its models itself (rlk3/pipeline.py, run_demo): SFT from configs/sft-demo.yaml, or the
+    checkpoint ``model.init_from`` names, then its own nine teachers; model keys and teachers given here would be
+    silently replaced."""
+    if cfg.model.overrides or cfg.model.preset != ModelConfig.preset:
+        raise ConfigError(f"model.preset={cfg.model.preset!r} / model.overrides={_overrides(cfg, cfg.model.overrides)}"
+                          f": the demo stage does not read them (its SFT model is configs/sft-demo.yaml's, or the "
+                          f"checkpoint model.init_from names); change the model there, or run the stages one by one")
+    if cfg.mopd.teachers:
+        raise ConfigError(f"mopd.teachers {sorted(cfg.mopd.teachers)}: the demo stage trains its own nine teachers "
+                          f"and distils them; to distil existing teachers, run the mopd stage (python -m rlk3 mopd "
+                          f"configs/mopd.yaml ...)")
 
 
 # ---------------------------------------------------------------------------------------------- paths a stage reads

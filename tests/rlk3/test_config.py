@@ -139,6 +139,16 @@ def test_composes_defaults_file_and_overrides(tmp_path):
          r"is out of range"),
         ("defaults: [stage/sft]\n", ["model.overrides.vocab_size=300"],
          r"model.overrides.vocab_size is set from the tokenizer's size \(sft.vocab_size"),
+        # keys a stage silently replaced: the checkpoint's config.json decides the architecture, and the demo stage
+        # builds its own models and teachers
+        ("defaults: [stage/rl]\n", ["model.overrides.num_hidden_layers=2", "model.init_from=/"],
+         r"model.overrides \{'num_hidden_layers': 2\} has no effect with model.init_from='/': the checkpoint's "
+         r"config.json decides"),
+        ("defaults: [stage/demo]\n", ["model.overrides.num_hidden_layers=2"],
+         r"model.preset='k3-tiny' / model.overrides=\{'num_hidden_layers': 2\}: the demo stage does not read them"),
+        ("defaults: [stage/demo, model/k3-small]\n", [], r"model.preset='k3-small' .*: the demo stage does not read"),
+        ("defaults: [stage/demo]\n", ["mopd.teachers={general/low: /x}"],
+         r"mopd.teachers \['general/low'\]: the demo stage trains its own nine teachers .* run the mopd stage"),
         ("defaults: [stage/teachers]\n", ["teachers.overrides.coding.model.overrides.hidden_size=0"],
          r"teachers.overrides.coding: model.overrides.hidden_size must be an int >= 1, got 0"),
         # tasks.files: a domain the run trains, a format of that domain, an existing .jsonl/.json/.parquet file
