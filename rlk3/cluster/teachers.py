@@ -64,10 +64,11 @@ class TeacherPool:
                  max_resident: int = 9, threads: int = 1) -> None:
         torch.set_num_threads(threads)
         self.paths = parse_teachers(teachers)
-        if student_tokenizer_dir is not None:
-            from harness.tokenizer import load_tokenizer
+        from harness.tokenizer import default_tokenizer, load_tokenizer
 
-            check_tokenizers(self.paths, load_tokenizer(student_tokenizer_dir))
+        # a student without a checkpoint speaks the built-in tokenizer (rlk3.cluster.workers.build_policy)
+        student = load_tokenizer(student_tokenizer_dir) if student_tokenizer_dir else default_tokenizer()
+        check_tokenizers(self.paths, student)
         self.temperature = temperature
         self.max_resident = max_resident
         self.resident: OrderedDict[tuple[str, str], torch.nn.Module] = OrderedDict()

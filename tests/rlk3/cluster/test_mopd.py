@@ -89,6 +89,9 @@ def test_bad_teacher_configs_are_refused(dirs, tmp_path):
     tok.save_pretrained(odd)
     with pytest.raises(TeacherConfigError, match="different tokenizer"):
         TeacherPool({"general/low": str(odd)}, str(dirs["student"]))
+    # a student without model.init_from speaks the built-in tokenizer: the same check (it was skipped)
+    with pytest.raises(TeacherConfigError, match="different tokenizer"):
+        TeacherPool({"general/low": str(odd)}, None)
 
 
 def test_a_short_mopd_run_on_ray(dirs, tmp_path):
