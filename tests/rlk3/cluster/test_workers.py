@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from rlk3.cluster.workers import TrainWorker
@@ -78,3 +79,40 @@ def test_an_rl_iteration_trains_on_the_task_files_prompts_and_evaluates_on_its_h
     assert len(trained) == 6 and set(trained) <= train and all(t.startswith("gsm8k/train/") for t in trained)
     assert [tid for uid, tid in episodes if uid.startswith("eval-")] == held
     assert "eval/general/high/pass_rate" in rows[-1]
+
+
+@pytest.mark.gpu
+def test_a_bfloat16_rl_iteration_on_a_gpu(tmp_path):
+    """k3-small as configs/model/k3-small.yaml runs it: the rollout engine in bfloat16 on the GPU, the trainer in
+    float32 beside it (the colocated layout in one process, no Ray). The trainer's log-probs of the engine's tokens
+    stay close to the engine's own (the importance weights the loss corrects with), an update reaches the engine
+    cast to bfloat16, and the next iteration's tokens carry the new version."""
+    from rlk3.cluster.workers import RolloutWorker
+
+    cfg = load_config(ROOT / "configs/quickstart.yaml", [
+        "model.init_from=null", "model.preset=k3-small", "model.dtype=bfloat16", "rollout.groups_per_iteration=4",
+        "rollout.group_size=4", "rollout.max_new_tokens=48", "cluster.num_gpus=1"])
+    rollout = RolloutWorker(cfg, str(tmp_path))
+    try:
+        engine = rollout.engine
+        assert {(p.dtype, p.device.type) for p in engine.model.parameters()} == {(torch.bfloat16, "cuda")}
+        trajs, _ = rollout.iterate(0)
+        assert len(trajs) == 16 and all(set(t["policy_versions"]) == {0} for t in trajs)
+        train = TrainWorker(cfg)
+        assert {(p.dtype, p.device.type) for p in train.trainer.model.parameters()} == {(torch.float32, "cuda")}
+        m = train.step(trajs)
+        print({k: v for k, v in m.items() if k.startswith("train/")})
+        # a random model's tokens sit near ties, where bf16 and fp32 disagree most: still a few percent, where a
+        # wrong temperature, dtype or weight set gives ratios far from 1
+        assert abs(m["train/is_weight_mean"] - 1) < 0.05 and m["train/is_weight_max"] < 2.0
+        assert torch.isfinite(torch.tensor(m["train/loss"])) and m["train/version"] == 1
+        # a random model's groups all score 0, so the step moved nothing: scaled, the update is seen to arrive
+        weights = {k: 1.5 * w for k, w in train.weights().items()}
+        rollout.update_weights(weights, 1)
+        ours = dict(engine.model.named_parameters())
+        assert all(torch.equal(ours[k], w.to("cuda", torch.bfloat16)) for k, w in weights.items() if k in ours)
+        trajs, _ = rollout.iterate(1)
+        versions = {v for t in trajs for v in t["policy_versions"]}
+        assert 1 in versions and versions <= {0, 1}
+    finally:
+        rollout.close()
