@@ -154,7 +154,7 @@ class MOPDConfig:
     clip: float = 5.0
     alpha: float = 0.0  # weight of the outcome reward next to the distillation reward
     iterations: int = 20  # the demo stage's MOPD iterations (run.iterations for a plain mopd run)
-    max_resident: int = 9  # teachers kept loaded at once (fewer: loaded and offloaded on demand)
+    max_resident: int = 9  # teachers kept loaded at once, on the GPU when there is one (fewer: loaded on demand)
     # the demo stage's student run: nested keys of this schema on top of the stage's config, as teachers.overrides
     # are for a teacher (e.g. {"train": {"lr": 1e-4}, "rollout": {"group_size": 8}})
     overrides: dict[str, Any] = field(default_factory=dict)

@@ -61,9 +61,13 @@ def check_tokenizers(teachers: dict[tuple[str, str], Path], student_tokenizer) -
 
 class TeacherPool:
     def __init__(self, teachers: dict[str, str], student_tokenizer_dir: str | None, *, temperature: float = 1.0,
-                 max_resident: int = 9, threads: int = 1) -> None:
+                 max_resident: int = 9, threads: int = 1, dtype: str = "float32", device: str | None = None) -> None:
         torch.set_num_threads(threads)
         self.paths = parse_teachers(teachers)
+        # the GPU of the actor's bundle when it has one (cluster.num_gpus > 0), at the run's model.dtype: scoring is
+        # a full forward of every trajectory by its teacher, a model as large as the student
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = getattr(torch, dtype)
         from harness.tokenizer import default_tokenizer, load_tokenizer
 
         # a student without a checkpoint speaks the built-in tokenizer (rlk3.cluster.workers.build_policy)
@@ -82,7 +86,10 @@ class TeacherPool:
             return self.resident[key]
         while len(self.resident) >= self.max_resident:
             self.resident.popitem(last=False)  # offload the least recently used teacher
-        m = K3ForCausalLM.from_pretrained(str(self.paths[key])).eval().requires_grad_(False)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # an offloaded teacher's memory, for the next one and the colocated workers
+        m = K3ForCausalLM.from_pretrained(str(self.paths[key])).to(self.device, self.dtype)
+        m = m.eval().requires_grad_(False)
         self.resident[key] = m
         self.loads += 1
         return m
@@ -90,9 +97,9 @@ class TeacherPool:
     @torch.no_grad()
     def logprobs(self, key, t: Trajectory) -> torch.Tensor:
         """The teacher's log-probs (at the sampling temperature) of the trajectory's generated tokens."""
-        ids = torch.tensor([t.token_ids])
+        ids = torch.tensor([t.token_ids], device=self.device)
         logits = self._model(key)(ids).logits[0, :-1].float() / self.temperature
-        lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
+        lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].cpu()
         pos = [i - 1 for i, m in enumerate(t.loss_mask) if m and i > 0]
         out = lp[pos]
         if t.loss_mask and t.loss_mask[0]:  # a generated first token has no context: no teacher signal

@@ -113,3 +113,19 @@ def test_a_short_mopd_run_on_ray(dirs, tmp_path):
     assert [r["iteration"] for r in rows] == [0, 1] and rows[0]["stage"] == "mopd"
     assert any(k.startswith("kl/general/") for k in rows[0])
     assert rows[-1]["samples"] == 16
+
+
+@pytest.mark.gpu
+def test_teachers_score_on_the_gpu_as_on_the_cpu(general_policy, dirs):
+    """With a GPU in its bundle the pool holds its teachers there (at ``model.dtype``): the same rewards as the
+    float32 CPU pool, within the bfloat16 forward's error."""
+    model, tok = general_policy
+    batch = [sample(model, tok, effort=e) for e in ("low", "high")]
+    teachers = {"general/low": str(dirs["same"]), "general/high": str(dirs["other"])}
+    cpu, _ = TeacherPool(teachers, str(dirs["student"]), device="cpu").score(batch, 5.0, 0.0)
+    for dtype, tol in (("float32", 5e-3), ("bfloat16", 0.1)):
+        pool = TeacherPool(teachers, str(dirs["student"]), dtype=dtype)
+        gpu, _ = pool.score(batch, 5.0, 0.0)
+        assert {next(m.parameters()).device.type for m in pool.resident.values()} == {"cuda"}
+        for a, b in zip(cpu, gpu, strict=True):
+            assert a["token_rewards"] == pytest.approx(b["token_rewards"], abs=tol)
