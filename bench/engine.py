@@ -329,6 +329,9 @@ def main() -> None:
                     help="EngineConfig.cudnn_attention: causal prefill attention through cuDNN at padded shapes")
     ap.add_argument("--step-tokens", type=int, default=None,
                     help="EngineConfig.max_tokens_per_step (default: the engine's on CUDA (8192), 512 on CPU)")
+    ap.add_argument("--pool-gib", type=float, default=None,
+                    help="each engine's pool (default 40 on CUDA, 0.25 on CPU); the decode rows build two engines "
+                         "on CUDA, so an 80 GB card needs 30")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -337,7 +340,7 @@ def main() -> None:
     preset, dtype = ("k3-small", torch.bfloat16) if cuda else ("k3-tiny", torch.float32)
     torch.manual_seed(0)
     model = K3ForCausalLM(K3Config.preset(preset)).to(device, dtype).eval()
-    cfg = EngineConfig(memory_bytes=(40 * 2**30 if cuda else 256 * 2**20),
+    cfg = EngineConfig(memory_bytes=int((args.pool_gib or (40 if cuda else 0.25)) * 2**30),
                        max_tokens_per_step=args.step_tokens or (None if cuda else 512),
                        prefill_chunk=512 if cuda else 256,
                        compile={"auto": None, "on": True, "off": False}[args.compile],
