@@ -156,7 +156,7 @@ class Cluster:
             teacher_opts = opts(0, share0) if colocate else opts(1 + n_train)
             self.teachers = ray.remote(TeacherPool).options(**teacher_opts).remote(
                 dict(cfg.mopd.teachers), cfg.model.init_from, temperature=cfg.rollout.temperature or 1.0,
-                max_resident=cfg.mopd.max_resident, threads=cfg.cluster.cpu_threads or 1, dtype=cfg.model.dtype)
+                max_resident=cfg.mopd.max_resident, threads=cfg.cluster.cpu_threads or 1)
             ray.get(self.teachers.__ray_ready__.remote())
         self.trainers = [ray.remote(TrainWorker).options(**train_opts(r)).remote(cfg, r, n_train)
                          for r in range(n_train)]

