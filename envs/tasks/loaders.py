@@ -6,15 +6,21 @@
 | mbpp     | ``text`` (or ``prompt``), ``test_list`` of ``assert f(...) == v`` | coding task, ``code`` grader         |
 | humaneval| ``prompt``, ``entry_point``, ``test`` with ``assert candidate(...) == v`` | coding task, ``code`` grader |
 | swe      | ``repo``, ``problem_statement``, ``files``, ``test_cmd`` | agentic task, ``command`` grader |
+| verl     | ``prompt`` (one user message), ``reward_model.ground_truth`` | general task, ``answer`` grader    |
+
+(``verl`` is the parquet verl's own ``examples/data_preprocess`` scripts write for rule-scored maths, GSM8K and
+MATH among them: the user message is the task's prompt as written, instruction included (the ``answer`` grader reads
+``#### x``, ``\\boxed{x}`` and ``Answer: x`` alike), and the ground truth is compared numerically or symbolically.
+Records whose ground truth is not an answer (code test cases) and prompts with other roles are refused.)
 
 (SWE ``files`` maps path → text; the ``command`` grader restores pristine copies of the test files, their data and
 pytest's config and hooks first: see ``_restored``.)
 
 Train and held-out split: a record's split is a function of its question (the gsm8k ``question``, the mbpp ``text``,
-the humaneval ``prompt``, the SWE ``repo`` and ``problem_statement``): one question hash in five is held out
-(``envs.tasks.base.content_split``, the synthetic suites' rule). So the split is the same in every run, whatever the
-row order or the file's copy, and a question that appears twice never lands on both sides. A task's id names its split
-(``gsm8k/train/17``: record 17 of the file).
+the humaneval ``prompt``, the SWE ``repo`` and ``problem_statement``, verl's user message): one question hash in five
+is held out (``envs.tasks.base.content_split``, the synthetic suites' rule). So the split is the same in every run,
+whatever the row order or the file's copy, and a question that appears twice never lands on both sides. A task's id
+names its split (``gsm8k/train/17``: record 17 of the file).
 
 Tiny example files of each live in ``envs/tasks/examples/``. Test asserts that cannot be turned into
 ``call``/``expected`` cases (a literal on the right-hand side) are rejected with the record named, rather than
@@ -31,8 +37,9 @@ from typing import Any
 
 from envs.tasks.base import Task, TaskError, check_split, content_split
 
-FORMATS = ("gsm8k", "mbpp", "humaneval", "swe")
-DOMAIN_OF = {"gsm8k": "general", "mbpp": "coding", "humaneval": "coding", "swe": "agentic"}  # the tasks a format makes
+FORMATS = ("gsm8k", "mbpp", "humaneval", "swe", "verl")
+DOMAIN_OF = {"gsm8k": "general", "mbpp": "coding", "humaneval": "coding", "swe": "agentic",  # the tasks a format makes
+             "verl": "general"}
 SUFFIXES = (".jsonl", ".json", ".parquet")
 EXAMPLES = Path(__file__).with_name("examples")
 
@@ -91,8 +98,37 @@ def _restored(path: str, text: str, test_cmd: str) -> bool:
     return path in test_cmd.split() or f"./{path}" in test_cmd.split()
 
 
+def _verl_prompt(rec: dict, i: int) -> str:
+    """A verl record's one user message (``prompt``: a list of {role, content})."""
+    msgs = rec.get("prompt")
+    if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
+        raise TaskError(f"verl record {i}: prompt must be a list of {{role, content}} messages, got "
+                        f"{str(msgs)[:120]!r}")
+    roles = [m["role"] for m in msgs]
+    if roles != ["user"] or not str(msgs[0]["content"] or "").strip():
+        raise TaskError(f"verl record {i}: prompt has roles {roles}; rlk3's harness writes the system prompt and the "
+                        f"effort budget itself, so a record's prompt must be one non-empty user message")
+    return str(msgs[0]["content"]).strip()
+
+
+def _verl_answer(rec: dict, i: int) -> str:
+    rm = rec.get("reward_model")
+    truth = rm.get("ground_truth") if isinstance(rm, dict) else None
+    if isinstance(truth, bool) or not isinstance(truth, str | int | float) or not str(truth).strip():
+        raise TaskError(f"verl record {i}: reward_model.ground_truth must be a final answer (a string or a number), "
+                        f"got {str(truth)[:120]!r}; the verl format reads rule-scored maths (GSM8K, MATH), not code "
+                        f"test cases (use mbpp or humaneval for those)")
+    if rm.get("style", "rule") != "rule":
+        raise TaskError(f"verl record {i}: reward_model.style is {rm.get('style')!r}; only 'rule' (a ground truth "
+                        f"the answer grader checks) is read, not model-scored records")
+    return str(truth).strip()
+
+
 def _question(rec: dict, fmt: str) -> str:
     """What a record's split is decided by (the module's docstring)."""
+    if fmt == "verl":
+        msgs = rec.get("prompt")
+        return str(msgs[0].get("content", "")) if isinstance(msgs, list) and msgs and isinstance(msgs[0], dict) else ""
     if fmt == "gsm8k":
         return str(rec.get("question", ""))
     if fmt == "mbpp":
@@ -114,7 +150,13 @@ def load(path: str | Path, fmt: str, split: str | None = None, visible: int = 1)
     for i, rec in enumerate(_records(path)):
         own = content_split(_question(rec, fmt))
         tid = f"{fmt}/{own}/{rec.get('task_id', rec.get('instance_id', i))}"
-        if fmt == "gsm8k":
+        if fmt == "verl":
+            tasks.append(Task(tid, "general", _verl_prompt(rec, i), "answer",
+                              {"answer": _verl_answer(rec, i), "kind": "auto"}))
+        elif fmt == "gsm8k":
+            if "question" not in rec and "prompt" in rec and "reward_model" in rec:
+                raise TaskError(f"gsm8k record {i}: has prompt and reward_model, not question and answer: verl's "
+                                f"preprocessed format; name it: {{path: ..., format: verl}}")
             _require(rec, ("question", "answer"), fmt, i)
             m = re.search(r"####\s*(.+?)\s*$", rec["answer"].strip())
             if not m:

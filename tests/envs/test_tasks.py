@@ -2,6 +2,7 @@
 
 import json
 import subprocess
+from types import SimpleNamespace
 
 import pytest
 
@@ -137,6 +138,58 @@ def test_public_format_examples_load(fmt):
         assert all(t.grading["hidden"] and t.grader == "code" for t in tasks)
     if fmt == "swe":
         assert tasks[0].grading["restore"] == {"test_calc.py": tasks[0].files["test_calc.py"]}
+    if fmt == "verl":
+        assert [t.grading["answer"] for t in tasks] == ["72", "10", "\\frac{5}{6}"]
+        assert tasks[0].prompt.startswith("Natalia sold") and tasks[0].prompt.endswith('after "####".')
+
+
+def test_verl_parquet_trains_as_written_and_its_ground_truth_grades_the_answer(tmp_path):
+    """verl's preprocessed parquet (examples/data_preprocess: ``prompt`` messages, ``reward_model.ground_truth``)
+    reads as it is: the user message is the prompt, instruction included, and the answer grader scores the
+    answer forms those instructions ask for against the ground truth."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rewards.answer import AnswerGrader, AnswerTask
+
+    rows = [json.loads(line) for line in (EXAMPLES / "verl.jsonl").read_text().splitlines()]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    tasks = load(tmp_path / "train.parquet", "verl")
+    assert [(t.prompt, t.grading) for t in tasks] == [(t.prompt, t.grading) for t in load(EXAMPLES / "verl.jsonl",
+                                                                                          "verl")]
+    assert all(t.domain == "general" and t.grader == "answer" for t in tasks)
+    grader = AnswerGrader()
+
+    def score(task, text):
+        episode = SimpleNamespace(messages=[{"role": "assistant", "content": text}])
+        return grader.grade(AnswerTask(**task.grading), episode).passed
+
+    gsm, _, math = tasks
+    assert score(gsm, "48 / 2 = 24 in May, 48 + 24 = 72.\n#### 72") and not score(gsm, "#### 71")
+    assert score(math, "3/6 + 2/6 = \\boxed{\\frac{5}{6}}") and not score(math, "\\boxed{\\frac{2}{5}}")
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda r: r.update(prompt=[{"role": "system", "content": "Be brief."}, *r["prompt"]]),
+     r"verl record 0: prompt has roles \['system', 'user'\]; rlk3's harness writes the system prompt"),
+    (lambda r: r.update(prompt="What is 2 + 2?"), r"verl record 0: prompt must be a list of \{role, content\}"),
+    (lambda r: r["reward_model"].update(ground_truth={"inputs": ["1"], "outputs": ["2"]}),
+     r"reward_model.ground_truth must be a final answer .* not code test cases"),
+    (lambda r: r.update(reward_model={"style": "model", "ground_truth": "72"}),
+     r"reward_model.style is 'model'; only 'rule'"),
+])
+def test_verl_records_rlk3_cannot_score_as_written_are_refused(tmp_path, change, match):
+    rec = json.loads((EXAMPLES / "verl.jsonl").read_text().splitlines()[0])
+    change(rec)
+    f = tmp_path / "bad.jsonl"
+    f.write_text(json.dumps(rec) + "\n")
+    with pytest.raises(TaskError, match=match):
+        load(f, "verl")
+
+
+def test_a_verl_file_read_as_gsm8k_says_which_format_it_is():
+    with pytest.raises(TaskError, match=r"verl's preprocessed format; name it: \{path: ..., format: verl\}"):
+        load(EXAMPLES / "verl.jsonl", "gsm8k")
 
 
 def gsm8k_file(path, n, order=None):

@@ -158,9 +158,9 @@ def test_composes_defaults_file_and_overrides(tmp_path):
          r"tasks.files key 'math' must be a domain of tasks.domains=\['general'\]"),
         ("defaults: [stage/rl]\n", [f"tasks.files={{general: {{path: {EXAMPLES}/mbpp.jsonl, format: mbpp}}}}"],
          r"tasks.files.general: format 'mbpp' makes coding tasks, not general ones; a general file is one of "
-         r"\['gsm8k'\]"),
+         r"\['gsm8k', 'verl'\]"),
         ("defaults: [stage/rl]\n", [f"tasks.files={{general: {{path: {EXAMPLES}/gsm8k.jsonl, format: gsm}}}}"],
-         r"tasks.files.general.format must be one of \['gsm8k', 'mbpp', 'humaneval', 'swe'\], got 'gsm'"),
+         r"tasks.files.general.format must be one of \['gsm8k', 'mbpp', 'humaneval', 'swe', 'verl'\], got 'gsm'"),
         ("defaults: [stage/rl]\n", ["tasks.domains=[coding]", f"tasks.files={{coding: {EXAMPLES}/mbpp.jsonl}}"],
          r"tasks.files.coding='.*mbpp.jsonl': a coding file is one of \['mbpp', 'humaneval'\]; name it: "
          r"tasks.files.coding=\{path: .*mbpp.jsonl, format: mbpp\}"),
@@ -215,6 +215,14 @@ def test_task_files_take_a_path_or_a_path_and_format_and_their_records_are_read_
         check_paths(run)
     check_paths(load_config(write(tmp_path, "defaults: [stage/rl]\n"),
                             [f"tasks.files={{general: {EXAMPLES}/gsm8k.jsonl}}"]))
+    # verl's preprocessed records, named (a path alone is gsm8k, and its error says which format the file is)
+    verl = load_config(write(tmp_path, "defaults: [stage/rl]\n"),
+                       [f"tasks.files={{general: {{path: {EXAMPLES}/verl.jsonl, format: verl}}}}"])
+    assert task_files(verl) == {"general": (f"{EXAMPLES}/verl.jsonl", "verl")}
+    check_paths(verl)
+    with pytest.raises(ConfigError, match=r"gsm8k record 0: has prompt and reward_model, not question .* format: verl"):
+        check_paths(load_config(write(tmp_path, "defaults: [stage/rl]\n"),
+                                [f"tasks.files={{general: {EXAMPLES}/verl.jsonl}}"]))
     # the swe example's two records are both train: the domain could not be evaluated
     run = load_config(write(tmp_path, "defaults: [stage/rl]\n"),
                       ["tasks.domains=[agentic]", f"tasks.files={{agentic: {EXAMPLES}/swe.jsonl}}"])
