@@ -133,7 +133,7 @@ class TrainConfig:
     negative_scale: float = 1.0  # weight on below-baseline advantages (0: positive sample reinforcement only)
     clip_low: float = 0.2
     clip_high: float = 0.28
-    is_mode: str = "truncate"  # truncate | mask | none
+    is_mode: str = "truncate"  # truncate | mask | icepop | none
     is_cap: float = 2.0
     is_low: float = 0.5
     is_high: float = 2.0

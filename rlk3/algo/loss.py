@@ -9,11 +9,13 @@ optimisation step (the PPO anchor; equal to the current policy on the first mini
     loss_t = −w_t · min(r_t A_t, clip(r_t) A_t)     (+ β · KL(π_θ ‖ π_ref), k3 estimator)
 
 ``w`` is what makes λ < 1 (pausing half-finished trajectories and resuming them under new weights) sound:
-tokens sampled by an older policy are reweighted token by token. Two ways to tame it:
+tokens sampled by an older policy are reweighted token by token. Ways to tame it:
 
 * ``truncate``: ``w ← min(w, C)`` (truncated importance sampling);
 * ``mask``: tokens with ``w`` outside ``[low, high]`` contribute nothing, the others count at weight 1 (token-level
-  rejection, verl's ``rollout_rs: token``; IcePop also multiplies a kept token by ``w``);
+  rejection, verl's ``rollout_rs: token``);
+* ``icepop``: the same band, and a kept token is weighted by its ``w`` (IcePop; slime's ``--use-icepop``): rejection
+  of the tokens too far off-policy to correct, importance weighting of the rest;
 * ``none``: ``w = 1`` (pure PPO; only right when every token is on-policy).
 
 Aggregation: ``token-mean`` (every generated token in the batch weighs the same), ``seq-mean-token-mean`` (each
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-IS_MODES = ("truncate", "mask", "none")
+IS_MODES = ("truncate", "mask", "icepop", "none")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 # policy_loss's means and the token count each is over: micro-batches combine by that count, so a mean over the kept
 # tokens stays exact however the IS-masked ones fall across micro-batches
@@ -42,7 +44,7 @@ class LossConfig:
     clip_high: float = 0.28  # DAPO's clip-higher: room for low-probability tokens to grow
     is_mode: str = "truncate"
     is_cap: float = 2.0  # truncate: w <= is_cap
-    is_low: float = 0.5  # mask: keep tokens with is_low <= w <= is_high
+    is_low: float = 0.5  # mask, icepop: keep tokens with is_low <= w <= is_high
     is_high: float = 2.0
     kl_coef: float = 0.0
     aggregation: str = "token-mean"
@@ -69,14 +71,15 @@ def is_ratio(old_logp: torch.Tensor, behaviour_logp: torch.Tensor) -> torch.Tens
 
 def importance_weights(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, cfg: LossConfig):
     """``(w, keep)``: the per-token staleness weight (no gradient) and the mask of tokens that count. ``mask`` mode
-    keeps a token at weight 1 (it rejects, it does not reweight)."""
+    keeps a token at weight 1 (it rejects, it does not reweight); ``icepop`` rejects the same and reweights the rest."""
     w = is_ratio(old_logp, behaviour_logp)
     keep = mask.bool()
     if cfg.is_mode == "truncate":
         w = w.clamp(max=cfg.is_cap)
-    elif cfg.is_mode == "mask":
+    elif cfg.is_mode in ("mask", "icepop"):
         keep = keep & (w >= cfg.is_low) & (w <= cfg.is_high)
-        w = torch.ones_like(w)
+        if cfg.is_mode == "mask":
+            w = torch.ones_like(w)
     else:
         w = torch.ones_like(w)
     return w, keep
@@ -138,9 +141,9 @@ def policy_loss(
         # r < 1 − ε_low with A < 0; a ratio outside the range on the other side still gets its full gradient
         binds = (clipped * advantages < ratio * advantages) & keep
         raw = is_ratio(old, behaviour_logp)
-        # what the kept tokens' ratios are: the weight applied under truncate; under mask and none the loss applies
-        # 1, and the mean of w itself (constant 1) said nothing about how far off-policy the trained tokens were
-        seen = w if cfg.is_mode == "truncate" else raw
+        # what the kept tokens' ratios are: the weight applied under truncate and icepop; under mask and none the loss
+        # applies 1, and the mean of w itself (constant 1) said nothing about how far off-policy the trained tokens were
+        seen = w if cfg.is_mode in ("truncate", "icepop") else raw
         metrics = {
             "loss": float(loss),
             "tokens": int(m.sum()),

@@ -104,8 +104,26 @@ def test_ppo_kl_is_the_mean_log_ratio_of_pi_old_to_pi_theta_over_kept_tokens():
     assert m["ppo_kl"] == pytest.approx(-(math.log(1.5) + math.log(0.5)) / 3, rel=1e-5)
 
 
+def test_icepop_rejects_outside_the_band_and_weights_the_kept_tokens_by_their_ratio():
+    """``icepop``: ``mask``'s band, and each kept token's gradient scaled by its π_old / μ (under ``mask`` it is 1)."""
+    logp = torch.full((1, 5), -1.0)
+    behaviour = logp - torch.tensor([[1.5, 0.8, 4.0, 0.25, 1.0]]).log()  # π_old / μ per token
+    mask = torch.ones(1, 5)
+    grads = {}
+    for mode in ("mask", "icepop"):
+        lp = logp.clone().requires_grad_(True)
+        loss, m = policy_loss(lp, behaviour, torch.ones(1), mask, LossConfig(is_mode=mode, is_low=0.5, is_high=2.0),
+                              old_logp=logp)
+        loss.backward()
+        grads[mode] = lp.grad[0]
+        assert m["is_masked_frac"] == pytest.approx(2 / 5)  # 4 and 0.25 are outside [0.5, 2]
+    torch.testing.assert_close(grads["mask"], torch.tensor([-1, -1, 0, 0, -1]) / 5)
+    torch.testing.assert_close(grads["icepop"], torch.tensor([-1.5, -0.8, 0, 0, -1.0]) / 5)
+
+
 @pytest.mark.parametrize("mode,mean", [
     ("mask", (1.5 + 0.8 + 1.0) / 3),  # the kept tokens' ratios (4 and 0.25 are outside [0.5, 2])
+    ("icepop", (1.5 + 0.8 + 1.0) / 3),  # the same, now the weights applied
     ("truncate", (1.5 + 0.8 + 2.0 + 0.25 + 1.0) / 5),  # the applied weights, 4 capped at 2
     ("none", (1.5 + 0.8 + 4.0 + 0.25 + 1.0) / 5),  # the uncorrected ratios
 ])
@@ -120,7 +138,7 @@ def test_is_weight_metrics_report_the_ratios_of_the_tokens_the_loss_keeps(mode, 
     _, m = policy_loss(old.clone(), old - w.log(), torch.ones(1, 6), mask, cfg, old_logp=old)
     assert m["is_weight_mean"] == pytest.approx(mean, rel=1e-5)
     assert m["is_weight_max"] == pytest.approx(4.0, rel=1e-5)
-    assert m["is_masked_frac"] == pytest.approx(2 / 5 if mode == "mask" else 0.0)
+    assert m["is_masked_frac"] == pytest.approx(2 / 5 if mode in ("mask", "icepop") else 0.0)
 
 
 def test_ppo_clip_stops_the_gradient_outside_the_trust_region():
@@ -193,7 +211,7 @@ def test_kl_and_entropy_metrics_and_token_logprobs():
 
 
 def test_config_validation_names_the_key():
-    with pytest.raises(ValueError, match=r"loss.is_mode must be one of \['truncate', 'mask', 'none'\]"):
+    with pytest.raises(ValueError, match=r"loss.is_mode must be one of \['truncate', 'mask', 'icepop', 'none'\]"):
         LossConfig(is_mode="clip")
     with pytest.raises(ValueError, match=r"is_low <= 1 <= is_high"):
         LossConfig(is_low=1.5)
