@@ -104,7 +104,7 @@ class RolloutConfig:
     groups_per_iteration: int = 8  # prompts per iteration
     group_size: int = 4  # samples per prompt
     lam: float = 1.0  # fraction of trajectories that must finish before the rest are paused (λ)
-    max_staleness: int = 4  # policy versions a carried-over trajectory may lag before it is restarted
+    max_staleness: int = 4  # the most versions a trained token may lag the trainer (carried ones run to the end first)
     top_up: str = "groups"  # groups | trajectories: what each iteration tops up to (rlk3/rollout/partial.py)
     temperature: float = 1.0
     top_p: float = 1.0
@@ -631,6 +631,15 @@ def validate(cfg: Config) -> None:
     _range("rollout.group_size", r.group_size, 1)
     _range("rollout.groups_per_iteration", r.groups_per_iteration, 1)
     _range("rollout.max_staleness", r.max_staleness, 0)
+    # a trajectory paused at the cutoff resumes at least one version later (two under overlap, whose rollouts train
+    # one version after they sample): at or under that bound nothing may be paused, and λ would do nothing
+    floor = 1 + bool(cfg.cluster.overlap)
+    if r.lam < 1 and r.max_staleness < floor:
+        raise ConfigError(f"rollout.lam={r.lam} pauses trajectories, and a paused one resumes under the next "
+                          f"version: its first tokens train {floor} version(s) stale"
+                          f"{' under cluster.overlap' if floor == 2 else ''}; rollout.max_staleness={r.max_staleness} "
+                          f"forbids that, so nothing could be paused: set "
+                          f"rollout.lam=1 (on-policy), or rollout.max_staleness>={floor}")
     _in("rollout.top_up", r.top_up, TOP_UP_MODES)
     _in("rollout.sampler", r.sampler, (*SAMPLERS, None))
     _range("rollout.temperature", r.temperature, 0, lo_open=True)

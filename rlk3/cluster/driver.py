@@ -224,15 +224,16 @@ class Cluster:
         """``rollout(it)`` on a thread (its Ray calls run while the driver trains); ``.result()`` as ``rollout``'s."""
         if self._ahead_pool is None:
             self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-ahead")
-        return self._ahead_pool.submit(self.rollout, it, None)
+        return self._ahead_pool.submit(self.rollout, it, None, True)
 
-    def rollout(self, it: int, state: dict | None) -> tuple[list[Trajectory], dict, float]:
-        """Iteration ``it``'s complete groups, the scheduler's stats and the seconds it took."""
+    def rollout(self, it: int, state: dict | None, ahead: bool = False) -> tuple[list[Trajectory], dict, float]:
+        """Iteration ``it``'s complete groups, the scheduler's stats and the seconds it took. ``ahead``: it runs while
+        the previous iteration trains (``cluster.overlap``), so what it returns trains one version later."""
         t = time.perf_counter()
-        trajs, stats = self._rollout(it, state)
+        trajs, stats = self._rollout(it, state, ahead)
         return trajs, stats, time.perf_counter() - t
 
-    def _rollout(self, it: int, state: dict | None) -> tuple[list[Trajectory], dict]:
+    def _rollout(self, it: int, state: dict | None, ahead: bool = False) -> tuple[list[Trajectory], dict]:
         if state is not None:
             ray.get(self.worker.load_state.remote(state))
         self._buffer = ray.get(self.worker.state.remote())
@@ -240,7 +241,7 @@ class Cluster:
             try:
                 if self.release_pool:
                     ray.get(self.worker.reacquire_memory.remote())
-                dicts, stats = ray.get(self.worker.iterate.remote(it))
+                dicts, stats = ray.get(self.worker.iterate.remote(it, ahead))
                 if self.release_pool:
                     ray.get(self.worker.release_memory.remote())  # training's turn for the memory
                 stats["restarts"] = attempt

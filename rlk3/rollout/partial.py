@@ -12,7 +12,11 @@ Each iteration:
    make stale (oldest token ``max_staleness`` versions behind): they run to their end in this iteration. Restarting
    them instead would throw their work away, and a trajectory longer than ``max_staleness + 1`` cutoffs' worth of
    tokens would never finish (the long tail would go untrained). So restarts only happen when the version jumps by
-   more than one between iterations (a reload) or with ``max_staleness = 0``;
+   more than one between iterations (a reload), and an early finisher waiting for a restarted sample's group is
+   restarted with it: no trained token lags by more than ``max_staleness``. A rollout run while the previous
+   iteration trains (``ahead``, ``cluster.overlap``) counts against the version it will train under. With
+   ``max_staleness = 0`` (or 1 under overlap) a trajectory started now is already due: nothing is paused, and λ has
+   no effect (the config refuses that combination);
 5. hand over the groups whose samples have all finished (group-normalised advantages need whole groups); the
    rest — paused samples and the early finishers of their groups — stay in the buffer for the next iteration.
 
@@ -174,8 +178,10 @@ class PartialRollouts:
     async def _restart_stale(self, version: int, stats: IterationStats) -> None:
         for t in self.buffer:
             lag = version - min(t.policy_versions) if t.policy_versions else 0
-            if t.status == Status.PAUSED and lag > self.max_staleness:
-                await self.loop.abandon(t)
+            # an early finisher waiting for its group goes too: its tokens would train as stale as the paused ones
+            if (t.status == Status.PAUSED or t.finished) and lag > self.max_staleness:
+                if t.status == Status.PAUSED:
+                    await self.loop.abandon(t)
                 restarts = t.metrics.get("restarts", 0) + 1
                 fresh = Trajectory(uid=t.uid, group_id=t.group_id, task_id=t.task_id, domain=t.domain,
                                    effort=t.effort, budget=t.budget, metrics={"restarts": restarts})
@@ -183,16 +189,24 @@ class PartialRollouts:
                 t.status = Status.PAUSED  # not started yet; runs as a fresh episode
                 stats.restarted_stale += 1
 
-    async def iterate(self, step: int, version: int, progress=None) -> tuple[list[Trajectory], IterationStats]:
-        """Run one iteration; returns the trajectories of the groups complete now (in a fixed order)."""
+    async def iterate(self, step: int, version: int, progress=None, ahead: int = 0
+                      ) -> tuple[list[Trajectory], IterationStats]:
+        """Run one iteration; returns the trajectories of the groups complete now (in a fixed order). ``version``:
+        the policy sampling now; ``ahead``: how many versions later what this returns trains (1 when the rollout
+        runs while the previous iteration trains, ``cluster.overlap``). Staleness counts against the training
+        version, so ``max_staleness`` bounds the lag the trainer sees."""
         stats = IterationStats()
+        version += ahead
         await self._restart_stale(version, stats)
         carried = [t for t in self.buffer if not t.finished]
         fresh = self._top_up(step)
         self.buffer += fresh
         run = carried + fresh
         stats.resumed, stats.fresh, stats.launched = len(carried), len(fresh), len(run)
-        due = {t.uid for t in carried if t.policy_versions and version - min(t.policy_versions) >= self.max_staleness}
+        # one pause would make these stale: they run to their end. One not started yet starts `ahead` behind the
+        # version it will train under (with max_staleness 0, or under overlap at 1, nothing can be paused)
+        due = {t.uid for t in run
+               if version - (min(t.policy_versions) if t.policy_versions else version - ahead) >= self.max_staleness}
         need = math.ceil(self.lam * len(run))
         done_count = 0
         pause_sent = False

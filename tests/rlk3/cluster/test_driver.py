@@ -188,7 +188,7 @@ def test_a_rollout_worker_restart_says_why_the_worker_died(monkeypatch, capsys):
     monkeypatch.setattr(driver.ray, "get", lambda x: x)
     cause = "The actor died because its worker process has died. Worker exit type: SYSTEM_ERROR (out of memory)"
 
-    def dies(it):
+    def dies(it, ahead):
         raise RayActorError(error_msg=cause)
 
     def worker(iterate):
@@ -197,7 +197,7 @@ def test_a_rollout_worker_restart_says_why_the_worker_died(monkeypatch, capsys):
     cluster = driver.Cluster.__new__(driver.Cluster)
     cluster.cfg = load_config(ROOT / "configs/quickstart.yaml")
     cluster.release_pool, cluster.version, cluster.worker = False, 0, worker(dies)
-    monkeypatch.setattr(cluster, "_new_rollout", lambda: worker(lambda it: ([], {})))
+    monkeypatch.setattr(cluster, "_new_rollout", lambda: worker(lambda it, ahead: ([], {})))
     trajs, stats = cluster._rollout(1, None)
     assert trajs == [] and stats["restarts"] == 1
     out = capsys.readouterr().out
@@ -354,3 +354,24 @@ def test_overlap_samples_the_next_iteration_while_this_one_trains(init_dir, tmp_
     assert all(x["trained"] == 8 for x in r)  # complete groups, nothing lost (λ = 1)
     with pytest.raises(Exception, match=r"cluster.overlap=true .* set cluster.colocate=false"):
         load_config(ROOT / "configs/quickstart.yaml", ["cluster.overlap=true"])
+
+
+def test_under_overlap_max_staleness_bounds_what_the_trainer_sees(init_dir, tmp_path, ray_local):
+    """An overlapped rollout trains one version after the engine's, so the scheduler counts staleness against that
+    one: with λ < 1 carrying trajectories across iterations and ``max_staleness`` 2, no trained token lags the
+    training version by more than 2 (counted against the engine's version, carried tokens reached 3). At 1,
+    overlap and λ < 1 are refused: a paused trajectory would train 2 versions stale."""
+    from rlk3.cluster.driver import run_rl
+
+    extra = {"run.iterations": 6, "run.checkpoint_every": 100, "cluster.colocate": False, "cluster.overlap": True,
+             "rollout.lam": 0.5, "rollout.max_staleness": 2}
+    run_rl(load_config(ROOT / "configs/quickstart.yaml", overrides(tmp_path / "o", init_dir, **extra)),
+           log=lambda *_: None)
+    r = rows(tmp_path / "o")
+    assert [x["rollout/overlapped"] for x in r] == [1, 1, 1, 1, 1, 0]
+    lags = [x.get("train/staleness_max", 0) for x in r]
+    assert max(lags) == 2, lags  # carried and overlapped tokens trained, none past the bound
+    with pytest.raises(Exception, match=r"rollout.max_staleness=1 forbids that, so nothing could be paused: .* "
+                                        r"rollout.max_staleness>=2"):
+        load_config(ROOT / "configs/quickstart.yaml", overrides(tmp_path / "o", init_dir,
+                                                                **{**extra, "rollout.max_staleness": 1}))

@@ -126,24 +126,74 @@ def test_lambda_one_is_synchronous(general_policy):
 
 
 def test_stale_trajectories_restart_with_their_uid(general_policy):
+    """A version jump (a reload) makes paused trajectories too stale to resume: they restart under their uid, and
+    so do their groups' early finishers, whose tokens are as old (kept, they trained 2 versions stale). Groups still
+    complete afterwards, and no trained token lags by more than max_staleness."""
     model, tok = general_policy
-    pr = make(model, tok, lam=0.25, max_staleness=0)
+    pr = make(model, tok, lam=0.25, max_staleness=1)
     engine = pr.loop.front.engine
 
     async def go():
-        restarted = 0
+        restarted, lags, trained = 0, [], []
         for it in range(6):
-            _, stats = await pr.iterate(it, engine.version)
+            ready, stats = await pr.iterate(it, engine.version)
             restarted += stats.restarted_stale
-            perturb(engine, engine.version + 1)
+            lags += [engine.version - min(t.policy_versions) for t in ready if t.policy_versions]
+            trained += [t.uid for t in ready] if it else []
+            perturb(engine, engine.version + (2 if it == 0 else 1))
         await pr.loop.front.close()
-        return restarted
+        return restarted, lags, trained
 
-    restarted = asyncio.run(go())
-    assert restarted > 0
+    restarted, lags, trained = asyncio.run(go())
+    assert restarted > 0 and trained
+    assert max(lags) <= 1, lags
+    assert len(trained) == len(set(trained))  # a restart keeps the uid and trains it once
     for t in pr.buffer:
         if t.policy_versions:  # everything kept is within the staleness bound of when it last ran
             assert max(t.policy_versions) - min(t.policy_versions) <= 1
+
+
+def test_a_rollout_ahead_counts_staleness_against_the_version_it_trains_under(general_policy):
+    """Under cluster.overlap a rollout samples while the previous iteration trains: what it returns trains one
+    version after the engine's. Counted against the engine's version, a carried trajectory ran to its end one
+    iteration late and trained max_staleness + 1 stale."""
+    model, tok = general_policy
+    pr = make(model, tok, lam=0.25, max_staleness=2)
+    engine = pr.loop.front.engine
+
+    async def go():
+        lags = []
+        for it in range(8):
+            ready, _ = await pr.iterate(it, engine.version, ahead=1)
+            lags += [engine.version + 1 - min(t.policy_versions) for t in ready if t.policy_versions]
+            perturb(engine, engine.version + 1)
+        await pr.loop.front.close()
+        return lags
+
+    lags = asyncio.run(go())
+    assert max(lags) == 2, lags
+
+
+def test_max_staleness_zero_pauses_nothing(general_policy):
+    """With max_staleness 0 a paused trajectory could never resume (its next token would be one version on), and
+    restarting it threw its work away and, with its group's early finishers, kept its group from ever completing:
+    nothing is paused, every trained token is on-policy."""
+    model, tok = general_policy
+    pr = make(model, tok, lam=0.25, max_staleness=0, groups=2)
+    engine = pr.loop.front.engine
+
+    async def go():
+        lags, paused = [], 0
+        for it in range(3):
+            ready, stats = await pr.iterate(it, engine.version)
+            paused += stats.paused
+            lags += [engine.version - min(t.policy_versions) for t in ready if t.policy_versions]
+            perturb(engine, engine.version + 1)
+        await pr.loop.front.close()
+        return lags, paused
+
+    lags, paused = asyncio.run(go())
+    assert paused == 0 and len(lags) == 3 * 2 * 4 and set(lags) == {0}
 
 
 def test_long_trajectories_finish_instead_of_restarting(general_policy):
