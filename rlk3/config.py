@@ -557,11 +557,6 @@ def validate(cfg: Config) -> None:
     _in("model.preset", cfg.model.preset, sorted(PRESETS))
     _in("model.dtype", cfg.model.dtype, ("float32", "bfloat16"))
     _check_model_overrides(cfg)
-    if cfg.model.overrides and cfg.model.init_from:
-        # from_pretrained builds the architecture from the checkpoint's config.json; overrides would be ignored
-        raise ConfigError(f"model.overrides {_overrides(cfg, cfg.model.overrides)} has no effect with model.init_from="
-                          f"{cfg.model.init_from!r}: the checkpoint's config.json decides the architecture; drop the "
-                          f"overrides, or leave init_from unset to build a fresh model from model.preset + overrides")
     if cfg.model.init_from is not None and not Path(cfg.model.init_from).is_dir():
         raise ConfigError(f"model.init_from: checkpoint directory {cfg.model.init_from!r} does not exist")
     if not cfg.tasks.domains:
@@ -786,10 +781,27 @@ def check_paths(cfg: Config) -> None:
     if cfg.model.init_from and stage in ("sft", "rl", "mopd", "teachers"):
         # SFT too reads the tokenizer: a checkpoint's embeddings are indexed by its own tokenizer's ids
         _check_checkpoint("model.init_from", cfg.model.init_from)
+        _check_overrides_match(cfg)
     if stage == "mopd":
         for key, path in cfg.mopd.teachers.items():
             _check_checkpoint(f"mopd.teachers[{key!r}]", path)
     _check_task_records(cfg)
+
+
+def _check_overrides_match(cfg: Config) -> None:
+    """With ``model.init_from`` the checkpoint's config.json decides the architecture: a ``model.overrides`` value
+    that differs from it would be silently ignored (one that matches, as configs/sft-tiny.yaml's on its own
+    checkpoint, is harmless)."""
+    from rlk3.model.configuration_k3 import K3Config
+
+    ckpt = K3Config.from_pretrained(cfg.model.init_from)
+    for key, value in _overrides(cfg, cfg.model.overrides).items():
+        have = getattr(ckpt, key, None)
+        if (list(have) if isinstance(have, tuple) else have) != value:
+            raise ConfigError(f"model.overrides.{key}={value!r}, but the checkpoint model.init_from="
+                              f"{cfg.model.init_from!r} has {key}={have!r}: its config.json decides the architecture, "
+                              f"so the override would be ignored; drop it, or leave init_from unset to build a fresh "
+                              f"model from model.preset + overrides")
 
 
 def _check_task_records(cfg: Config) -> None:

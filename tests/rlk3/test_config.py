@@ -141,9 +141,6 @@ def test_composes_defaults_file_and_overrides(tmp_path):
          r"model.overrides.vocab_size is set from the tokenizer's size \(sft.vocab_size"),
         # keys a stage silently replaced: the checkpoint's config.json decides the architecture, and the demo stage
         # builds its own models and teachers
-        ("defaults: [stage/rl]\n", ["model.overrides.num_hidden_layers=2", "model.init_from=/"],
-         r"model.overrides \{'num_hidden_layers': 2\} has no effect with model.init_from='/': the checkpoint's "
-         r"config.json decides"),
         ("defaults: [stage/demo]\n", ["model.overrides.num_hidden_layers=2"],
          r"model.preset='k3-tiny' / model.overrides=\{'num_hidden_layers': 2\}: the demo stage does not read them"),
         ("defaults: [stage/demo, model/k3-small]\n", [], r"model.preset='k3-small' .*: the demo stage does not read"),
@@ -384,6 +381,21 @@ def test_run_stage_checks_the_init_from_checkpoint_before_ray(tmp_path, no_ray, 
     cfg = load_config(write(tmp_path, f"defaults: [stage/{stage}]\n"), overrides)
     with pytest.raises(ConfigError, match=rf"model.init_from='.*/sft': no readable {missing}"):
         run_stage(cfg)
+
+
+def test_model_overrides_beside_init_from_must_match_the_checkpoint(tmp_path):
+    """With model.init_from the checkpoint's config.json decides the architecture: an override that differs from it
+    was silently ignored. One that matches (configs/sft-tiny.yaml's on its own checkpoint) is fine."""
+    from rlk3.config import CONFIG_DIR, check_paths
+    from rlk3.model import K3Config
+
+    init = fake_checkpoint(tmp_path / "sft", [f for f in CHECKPOINT if f != "config.json"])
+    K3Config.preset("k3-tiny", num_hidden_layers=2).save_pretrained(init)
+    base = [f"model.init_from={init}", f"run.output_dir={tmp_path / 'out'}"]
+    check_paths(load_config(CONFIG_DIR / "sft-tiny.yaml", base))  # overrides {num_hidden_layers: 2}: matches
+    with pytest.raises(ConfigError, match=r"model.overrides.num_hidden_layers=4, but the checkpoint model.init_from="
+                                          r"'.*/sft' has num_hidden_layers=2: its config.json decides"):
+        check_paths(load_config(CONFIG_DIR / "sft-tiny.yaml", [*base, "model.overrides.num_hidden_layers=4"]))
 
 
 def test_check_paths_reads_relative_paths_from_the_current_directory(tmp_path, monkeypatch):
