@@ -794,6 +794,8 @@ def _check_overrides_match(cfg: Config) -> None:
     checkpoint, is harmless)."""
     from rlk3.model.configuration_k3 import K3Config
 
+    if not cfg.model.overrides:  # nothing to compare: the checkpoint's config is not read
+        return
     ckpt = K3Config.from_pretrained(cfg.model.init_from)
     for key, value in _overrides(cfg, cfg.model.overrides).items():
         have = getattr(ckpt, key, None)
