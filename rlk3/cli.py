@@ -2,7 +2,8 @@
 
 Stages: ``sft`` (demonstrations → the checkpoint RL starts from), ``rl`` (one effort-budget teacher), ``teachers``
 (the nine teachers), ``mopd`` (distil the teachers into one student), ``demo`` (all of them, then ``eval``), ``eval``
-(every model of a manifest on the held-out slices: ``python -m rlk3 eval <manifest.json> [n=40]``, no config). The
+(every model of a manifest on the held-out slices: ``python -m rlk3 eval <manifest.json> [n=40] [device=auto]``, no
+config). The
 config is composed and validated before anything is allocated (``rlk3.config``); ``--print-config`` shows the result.
 """
 
@@ -22,17 +23,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.lam=0.7")
     ap.add_argument("--print-config", action="store_true", help="print the composed config and exit")
     args = ap.parse_args(argv)
-    if args.stage == "eval":  # python -m rlk3 eval <manifest.json> [n=40]
+    if args.stage == "eval":  # python -m rlk3 eval <manifest.json> [n=40] [device=auto|cpu|cuda]
         from rlk3 import pipeline
 
-        n = None
-        for item in args.overrides:  # the only setting: tasks per slice (a manifest is not a run config)
+        n, device = None, "auto"
+        for item in args.overrides:  # its only settings (a manifest is not a run config)
             key, _, value = item.partition("=")
-            if key != "n" or not value.isdigit() or int(value) < 1:
-                print(f"eval: {item!r} is not a setting of eval; it takes n=<tasks per slice, an int >= 1> "
-                      f"(the rest comes from the manifest)", file=sys.stderr)
+            if key == "n" and value.isdigit() and int(value) >= 1:
+                n = int(value)
+            elif key == "device" and value in pipeline.Evaluation.DEVICES:
+                device = value
+            else:
+                print(f"eval: {item!r} is not a setting of eval; it takes n=<tasks per slice, an int >= 1> and "
+                      f"device=<{'|'.join(pipeline.Evaluation.DEVICES)}> (the rest comes from the manifest)",
+                      file=sys.stderr)
                 return 2
-            n = int(value)
         if args.print_config:
             print("eval: --print-config shows a run config; eval reads a manifest (print the file)", file=sys.stderr)
             return 2
@@ -40,7 +45,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"eval: no manifest at {args.config} (the demo stage writes one: <run.output_dir>/manifest.json)",
                   file=sys.stderr)
             return 2
-        pipeline.run_eval(args.config, n)
+        try:
+            device = pipeline.resolve_device(device)
+        except ValueError as e:
+            print(f"eval: {e}", file=sys.stderr)
+            return 2
+        pipeline.run_eval(args.config, n, device=device)
         return 0
     try:
         cfg = load_config(args.config, [*args.overrides, f"run.stage={args.stage}"])

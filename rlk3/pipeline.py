@@ -140,9 +140,9 @@ def _evaluate_model(job) -> tuple[dict, int, float]:
     """One model of ``run_eval``: its eval.json entry, how many graders raised, and the seconds it took."""
     from rlk3.rollout.evaluate import evaluate_policy, load_policy
 
-    name, kind, d, e, path, mine, n, loop, files = job
+    name, kind, d, e, path, mine, n, loop, files, device = job
     t0 = time.time()
-    policy, tok = load_policy(path)
+    policy, tok = load_policy(path, device=device)
     res, _ = evaluate_policy(policy, tok, mine, n, loop_config=loop, files=files)
     entry = {"name": name, "kind": kind, "slices": [r.to_dict() for r in res]}
     if d is not None:
@@ -210,33 +210,46 @@ class Evaluation:
     at its thread count, as it is added). A model can be added while others run: the demo adds the SFT base and the
     teachers as soon as they exist, so they are evaluated while the student trains (its rollouts are one process and
     leave the other core idle), and the student when it is done. A teacher is evaluated on its own domain's slices
-    (all efforts: the ordering of tokens by effort is read there); the base and the student on all nine."""
+    (all efforts: the ordering of tokens by effort is read there); the base and the student on all nine.
+
+    ``device``: "cpu", "cuda" or "auto" (the default: the GPU where there is one). On a GPU the models run one after
+    another in one process beside this one (None ``workers``), each with its engine on the card; a GPU turns a
+    k3-small evaluation from hours of CPU decode into minutes."""
 
     KINDS = ("sft", "teacher", "student")
+    DEVICES = ("auto", "cpu", "cuda")
 
     def __init__(self, tasks_per_slice: dict[str, int], loop, workers: int | None = None, log=print,
-                 files: dict[str, tuple[str, str]] | None = None) -> None:
+                 files: dict[str, tuple[str, str]] | None = None, device: str = "auto") -> None:
+        self.device = resolve_device(device)
         self.n, self.loop, self.log = tasks_per_slice, loop, log
         self.files = {d: tuple(f) for d, f in (files or {}).items()}  # domain -> (path, format): its held-out tasks
-        workers = workers or min(os.cpu_count() or 1, 4)
-        # k3-tiny's small ops use one core poorly (and two threads beside a busy process spin), so models run side by
-        # side at one thread each
-        self.pool = None if workers == 1 else concurrent.futures.ProcessPoolExecutor(
-            workers, mp_context=multiprocessing.get_context("spawn"), initializer=torch.set_num_threads,
-            initargs=(1,))
+        cuda = self.device == "cuda"
+        if cuda:  # one process owns the card's evaluation (each model's engine takes its share of the free memory)
+            self.pool = None if workers == 1 else concurrent.futures.ProcessPoolExecutor(
+                workers or 1, mp_context=multiprocessing.get_context("spawn"))
+        else:
+            # k3-tiny's small ops use one core poorly (and two threads beside a busy process spin), so models run
+            # side by side at one thread each
+            workers = workers or min(os.cpu_count() or 1, 4)
+            self.pool = None if workers == 1 else concurrent.futures.ProcessPoolExecutor(
+                workers, mp_context=multiprocessing.get_context("spawn"), initializer=torch.set_num_threads,
+                initargs=(1,))
         self.kinds: dict[str, str] = {}
         self.entries: dict[str, dict] = {}
         self.running: dict[concurrent.futures.Future, str] = {}
 
     @classmethod
-    def of_manifest(cls, m: dict, n: int | None = None, workers: int | None = None, log=print) -> Evaluation:
+    def of_manifest(cls, m: dict, n: int | None = None, workers: int | None = None, log=print,
+                    device: str = "auto") -> Evaluation:
         """For a run manifest's models: its held-out counts (``n`` for every domain instead), the agent loop's
         limits the runs trained under, greedy, and its task files (older manifests: one count for every domain, the
         loop's defaults, no files)."""
         from rlk3.rollout.agent_loop import LoopConfig
 
         loop = LoopConfig(temperature=0.0, **m["loop"]) if m.get("loop") else None
-        return cls(tasks_per_slice(m.get("heldout", 40), n), loop, workers, log, files=m.get("files"))
+        return cls(tasks_per_slice(m.get("heldout", 40), n), loop, workers, log, files=m.get("files"),
+                   device=device)
 
     def __contains__(self, name: str) -> bool:
         return name in self.kinds
@@ -246,7 +259,7 @@ class Evaluation:
             raise ValueError(f"model {name!r} ({kind!r}): kinds are {self.KINDS}, each name added once")
         self.kinds[name] = kind
         slices = [(d, e, DEFAULT_BUDGETS[e]) for d in DOMAINS for e in EFFORTS if domain is None or d == domain]
-        job = (name, kind, domain, effort, path, slices, self.n, self.loop, self.files)
+        job = (name, kind, domain, effort, path, slices, self.n, self.loop, self.files, self.device)
         if self.pool is None:
             self._done(*_evaluate_model(job))
         else:
@@ -259,7 +272,7 @@ class Evaluation:
             self.log(f"eval: WARNING {name}: {bad} episodes' graders raised (scored as fails; the grader or its "
                      "sandboxes are broken, so these pass rates understate the model)")
         self.log(f"eval: {name} on {len(entry['slices'])} slices x "
-                 f"{sorted({self.n[s['domain']] for s in entry['slices']})} tasks in {seconds:.0f}s")
+                 f"{sorted({self.n[s['domain']] for s in entry['slices']})} tasks in {seconds:.0f}s ({self.device})")
 
     def results(self) -> dict:
         """Waits for every model added; eval.json's content: the base, the teachers by name, then the student."""
@@ -278,6 +291,19 @@ class Evaluation:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def resolve_device(device: str) -> str:
+    """"auto" → "cuda" where PyTorch sees a GPU, else "cpu"; "cuda" without one is refused with what is seen."""
+    if device not in Evaluation.DEVICES:
+        raise ValueError(f"eval device {device!r}: valid are {', '.join(Evaluation.DEVICES)} (auto: the GPU where "
+                         "there is one)")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("eval device 'cuda': PyTorch sees no GPU here (torch.cuda.is_available() is False; this "
+                         f"torch is {torch.__version__}); use device=cpu, or run where a GPU is visible")
+    return device
 
 
 def manifest_models(m: dict) -> list[tuple[str, str, str | None, str | None, str]]:
@@ -299,16 +325,17 @@ def tasks_per_slice(heldout, n: int | None = None) -> dict[str, int]:
 
 
 def run_eval(manifest_path: str | Path, n: int | None = None, log=print, workers: int | None = None,
-             started: Evaluation | None = None) -> Path:
+             started: Evaluation | None = None, device: str = "auto") -> Path:
     """Evaluate the SFT base, every teacher and the student on every (domain, effort) slice of the held-out split;
     write eval.json and the report (report.md + plots) beside the manifest; print the slice and acceptance tables.
-    ``n`` (tasks per slice) overrides the manifest's per-domain counts; ``workers`` as :class:`Evaluation`'s.
-    ``started``: an evaluation already running some of the manifest's models (the demo's); the rest are added."""
+    ``n`` (tasks per slice) overrides the manifest's per-domain counts; ``workers`` and ``device`` as
+    :class:`Evaluation`'s. ``started``: an evaluation already running some of the manifest's models (the demo's);
+    the rest are added."""
     from rlk3.report import acceptance_summary, slice_table, write_report
 
     manifest_path = Path(manifest_path)
     m = json.loads(manifest_path.read_text())
-    with contextlib.nullcontext(started) if started else Evaluation.of_manifest(m, n, workers, log) as ev:
+    with contextlib.nullcontext(started) if started else Evaluation.of_manifest(m, n, workers, log, device) as ev:
         for model in manifest_models(m):  # the caller's evaluation is the caller's to close
             if model[0] not in ev:
                 ev.add(*model)

@@ -91,13 +91,29 @@ def format_slices(results: list[SliceResult]) -> str:
     return "\n".join(lines)
 
 
-def load_policy(path, *, dtype=None):
-    """A checkpoint directory written by a stage (HF weights + tokenizer) → (model in eval mode, tokenizer)."""
+def load_policy(path, *, dtype=None, device: str = "cpu"):
+    """A checkpoint directory written by a stage (HF weights + tokenizer) → (model in eval mode on ``device``,
+    tokenizer). The checkpoint's dtype unless ``dtype`` is given."""
     from harness.tokenizer import load_tokenizer
     from rlk3.model import K3ForCausalLM
 
     model = K3ForCausalLM.from_pretrained(str(path), **({"torch_dtype": dtype} if dtype else {})).eval()
-    return model, load_tokenizer(path)
+    return model.to(device), load_tokenizer(path)
+
+
+def default_engine_config(device):
+    """The evaluation engine's pool: 256 MiB on the CPU (k3-tiny's held-out episodes fit many times over); on a GPU
+    a quarter of the free memory up to 8 GiB (held-out episodes are a few thousand tokens each), so that a trainer
+    sharing the card (the demo's student) keeps the rest."""
+    import torch
+
+    from rlk3.engine import EngineConfig
+    from rlk3.engine.pool import device_free_bytes
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return EngineConfig(memory_bytes=256 << 20)
+    return EngineConfig(memory_bytes=min(8 << 30, device_free_bytes(device) // 4))
 
 
 def evaluate_policy(
@@ -111,12 +127,13 @@ def evaluate_policy(
     sandbox_url: str | None = None,
     files: Mapping[str, tuple[str, str]] | None = None,
 ) -> tuple[list[SliceResult], list[Trajectory]]:
-    """Greedy held-out evaluation of one policy on ``slices`` (see :func:`evaluate_slices`)."""
-    from rlk3.engine import EngineConfig, RolloutEngine
+    """Greedy held-out evaluation of one policy on ``slices`` (see :func:`evaluate_slices`), on the model's
+    device."""
+    from rlk3.engine import RolloutEngine
     from rlk3.rollout.agent_loop import LoopConfig
     from rlk3.rollout.env import RolloutEnv
 
-    engine = RolloutEngine(model, engine_config or EngineConfig(memory_bytes=256 << 20))
+    engine = RolloutEngine(model, engine_config or default_engine_config(next(model.parameters()).device))
     cfg = loop_config or LoopConfig(temperature=0.0, max_turn_tokens=512, max_context_tokens=4096)
     domains = tuple(sorted({s[0] for s in slices}))
     with RolloutEnv(tokenizer, domains=domains, sandbox_url=sandbox_url) as env:

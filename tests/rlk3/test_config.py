@@ -448,7 +448,8 @@ def test_harness_keys_that_nothing_read_are_unknown(tmp_path, override):
         load_config(write(tmp_path, "defaults: [stage/rl]\n"), [override])
 
 
-@pytest.mark.parametrize("args", [["n=abc"], ["n=0"], ["tasks.heldout_size=5"], ["--print-config"]])
+@pytest.mark.parametrize("args", [["n=abc"], ["n=0"], ["tasks.heldout_size=5"], ["--print-config"], ["device=tpu"],
+                                  ["device="]])
 def test_eval_refuses_what_it_would_ignore(tmp_path, capsys, args):
     # eval took n= and ignored every other override (and --print-config) without a word; a bad n was a traceback
     from rlk3.cli import main
@@ -457,3 +458,21 @@ def test_eval_refuses_what_it_would_ignore(tmp_path, capsys, args):
     manifest.write_text("{}")
     assert main(["eval", str(manifest), *args]) == 2
     assert "eval" in capsys.readouterr().err
+
+
+def test_eval_on_cuda_without_a_gpu_says_what_it_sees(tmp_path, capsys, monkeypatch):
+    import torch
+
+    from rlk3.cli import main
+    from rlk3.pipeline import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on CI's machine, wherever this runs
+
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text("{}")
+    assert main(["eval", str(manifest), "device=cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "sees no GPU" in err and "device=cpu" in err
+    assert resolve_device("auto") == "cpu" and resolve_device("cpu") == "cpu"
+    with pytest.raises(ValueError, match="valid are auto, cpu, cuda"):
+        resolve_device("gpu")

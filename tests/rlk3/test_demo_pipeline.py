@@ -100,7 +100,7 @@ def test_the_eval_stage_evaluates_a_domain_on_its_task_files_heldout_tasks(gener
     ev = Evaluation.of_manifest(json.loads(json.dumps(m)), workers=1)  # as run_eval reads it back
     try:
         entry, bad, _ = _evaluate_model(("sft", "sft", "general", "high", m["sft"], [("general", "high", None)],
-                                         ev.n, ev.loop, ev.files))
+                                         ev.n, ev.loop, ev.files, ev.device))
     finally:
         ev.close()
     assert 0 < len(held) < 64 and [s["n"] for s in entry["slices"]] == [len(held)] and bad == 0
