@@ -321,11 +321,15 @@ def derive(cfg: Config, changes: dict[str, Any]) -> Config:
 FILE_FORMAT_OF = {"general": "gsm8k", "agentic": "swe"}
 
 
-def task_files(cfg: Config) -> dict[str, tuple[str, str]]:
-    """``tasks.files`` as domain -> (path, format) (checked by ``validate``)."""
+def task_files(cfg: Config) -> dict[str, tuple[str, ...]]:
+    """``tasks.files`` as domain -> (path, format), or (path, format, held-out path) where the entry names its
+    dataset's own held-out file (checked by ``validate``)."""
     out = {}
     for d, v in cfg.tasks.files.items():
-        out[str(d)] = (str(v), FILE_FORMAT_OF[d]) if isinstance(v, str) else (str(v["path"]), str(v["format"]))
+        if isinstance(v, str):
+            out[str(d)] = (str(v), FILE_FORMAT_OF[d])
+        else:
+            out[str(d)] = (str(v["path"]), str(v["format"])) + ((str(v["heldout"]),) if v.get("heldout") else ())
     return out
 
 
@@ -503,9 +507,9 @@ def _range(key: str, value, lo=None, hi=None, lo_open=False) -> None:
 
 
 def _check_task_files(cfg: Config) -> None:
-    """``tasks.files``: each key a domain the run trains, each value a path or {path, format} with a format of that
-    domain, naming an existing .jsonl/.json/.parquet file. The records themselves are read when the stage starts
-    (``check_paths``)."""
+    """``tasks.files``: each key a domain the run trains, each value a path or {path, format[, heldout]} with a
+    format of that domain, naming existing .jsonl/.json/.parquet files. The records themselves are read when the
+    stage starts (``check_paths``)."""
     from envs.tasks.loaders import DOMAIN_OF, FORMATS, SUFFIXES
 
     files = cfg.tasks.files
@@ -524,22 +528,33 @@ def _check_task_files(cfg: Config) -> None:
                 raise ConfigError(f"{key}={v!r}: a {d} file is one of {formats}; name it: "
                                   f"{key}={{path: {v}, format: {formats[0]}}}")
             path, fmt = v, FILE_FORMAT_OF[d]
-        elif isinstance(v, DictConfig | dict) and set(v.keys()) == {"path", "format"}:
+        elif isinstance(v, DictConfig | dict) and {"path", "format"} <= set(v.keys()) <= {"path", "format",
+                                                                                      "heldout"}:
             path, fmt = v["path"], v["format"]
         else:
             plain = OmegaConf.to_container(v) if OmegaConf.is_config(v) else v
-            raise ConfigError(f"{key} must be a path or {{path: ..., format: ...}}, got {plain!r}")
+            raise ConfigError(f"{key} must be a path or {{path: ..., format: ...}}, with heldout: <path> where the "
+                              f"dataset ships its own held-out file (verl's test.parquet), got {plain!r}")
         if fmt not in FORMATS:
             raise ConfigError(f"{key}.format must be one of {list(FORMATS)}, got {fmt!r}")
         if DOMAIN_OF[fmt] != d:
             raise ConfigError(f"{key}: format {fmt!r} makes {DOMAIN_OF[fmt]} tasks, not {d} ones; a {d} file is "
                               f"one of {formats}")
-        p = Path(str(path))
-        where = f"{key}={str(path)!r}" + ("" if p.is_absolute() else f" ({p.resolve()})")
-        if p.suffix not in SUFFIXES:
-            raise ConfigError(f"{where}: a task file is {', '.join(SUFFIXES)}, got {p.suffix or 'no suffix'!r}")
-        if not p.is_file():
-            raise ConfigError(f"{where}: no such file")
+        named = [(key, path)]
+        if not isinstance(v, str) and v.get("heldout") is not None:
+            if not isinstance(v["heldout"], str) or not v["heldout"]:
+                raise ConfigError(f"{key}.heldout must be a path (the dataset's held-out file), got {v['heldout']!r}")
+            if Path(v["heldout"]).resolve() == Path(str(path)).resolve():
+                raise ConfigError(f"{key}.heldout names the train file itself ({path!r}): the held-out tasks would "
+                                  f"be trained on; drop heldout to split {path!r} by question hash instead")
+            named.append((f"{key}.heldout", v["heldout"]))
+        for where, path in named:
+            p = Path(str(path))
+            where = f"{where}={str(path)!r}" + ("" if p.is_absolute() else f" ({p.resolve()})")
+            if p.suffix not in SUFFIXES:
+                raise ConfigError(f"{where}: a task file is {', '.join(SUFFIXES)}, got {p.suffix or 'no suffix'!r}")
+            if not p.is_file():
+                raise ConfigError(f"{where}: no such file")
 
 
 def validate(cfg: Config) -> None:
@@ -813,11 +828,16 @@ def _check_task_records(cfg: Config) -> None:
 
     files = task_files(cfg)
     sizes = heldout_sizes(cfg)
-    for d, (path, _fmt) in files.items():
+    for d, (path, _fmt, *own) in files.items():
         try:
             train, heldout = file_tasks(files, d, "train"), file_tasks(files, d, "heldout")
         except TaskError as e:
             raise ConfigError(f"tasks.files.{d}: {e}") from None
+        if own:  # the dataset's own split: each file is one side whole
+            for name, side, tasks in ((path, "path", train), (own[0], "heldout", heldout)):
+                if not tasks and (side == "path" or sizes[d]):
+                    raise ConfigError(f"tasks.files.{d}.{side}={name!r} holds no records")
+            continue
         # a record's split is its question's hash (envs/tasks/loaders.py): a tiny file may put all of them on one side
         if not train:
             raise ConfigError(f"tasks.files.{d}={path!r}: none of its {len(heldout)} records is in the train split "

@@ -88,8 +88,8 @@ def run_teachers(cfg, sft: str | None = None, log=print) -> dict[str, str]:
             name = f"teacher-{domain}-{effort}"
             subs[domain, effort] = derive(cfg, {
                 "run.stage": "rl", "run.name": name, "run.output_dir": str(root / name), "tasks.domains": [domain],
-                "tasks.files": {d: {"path": path, "format": fmt} for d, (path, fmt) in task_files(cfg).items()
-                                if d == domain},
+                "tasks.files": {d: {"path": path, "format": fmt, **({"heldout": own[0]} if own else {})}
+                                for d, (path, fmt, *own) in task_files(cfg).items() if d == domain},
                 "model.init_from": sft, "effort.anneal_steps": cfg.effort.anneal_steps, **EFFORT_SETTINGS[effort],
                 **teacher_changes(cfg, domain, effort)})
     parallel = cfg.teachers.parallel or min(runs_that_fit(subs[cfg.tasks.domains[0], "high"]), len(subs))
@@ -192,9 +192,11 @@ def run_demo(cfg, log=print) -> Path:
 
 
 def manifest_files(cfg) -> dict[str, list[str]]:
-    """``tasks.files`` for a run manifest: domain -> [absolute path, format], so that ``rlk3 eval`` of the manifest,
-    from any directory, evaluates those domains on their files' held-out splits."""
-    return {d: [str(Path(path).resolve()), fmt] for d, (path, fmt) in task_files(cfg).items()}
+    """``tasks.files`` for a run manifest: domain -> [absolute path, format] (and the absolute held-out file's path
+    where the entry names one), so that ``rlk3 eval`` of the manifest, from any directory, evaluates those domains
+    on their files' held-out tasks."""
+    return {d: [str(Path(path).resolve()), fmt, *(str(Path(h).resolve()) for h in own)]
+            for d, (path, fmt, *own) in task_files(cfg).items()}
 
 
 def eval_loop(cfg) -> dict:

@@ -1,8 +1,9 @@
 """Task suites for the three domains, synthetic by default, plus loaders for public formats.
 
 ``get_tasks(domain, split, n)`` returns the first n tasks of a suite's split (deterministic; train and held-out
-never overlap). ``files`` (domain → (path, format), a run's ``tasks.files``) replaces those domains' suites with a
-task file's split (``envs.tasks.loaders``): a file is finite, so its split may hold fewer than ``start + n`` tasks.
+never overlap). ``files`` (domain → (path, format) or (path, format, held-out path), a run's ``tasks.files``)
+replaces those domains' suites with a task file's split (``envs.tasks.loaders``), or with the train file and the
+held-out file where a dataset ships both: a file is finite, so its split may hold fewer than ``start + n`` tasks.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ SUITES = {"general": general, "agentic": agentic, "coding": coding}
 
 
 def get_tasks(domain: str, split: str, n: int, start: int = 0,
-              files: Mapping[str, tuple[str, str]] | None = None) -> list[Task]:
+              files: Mapping[str, tuple[str, ...]] | None = None) -> list[Task]:
     if domain not in SUITES:
         raise TaskError(f"unknown domain {domain!r}; valid domains: {list(DOMAINS)}")
     if n < 0 or start < 0:
@@ -26,13 +27,17 @@ def get_tasks(domain: str, split: str, n: int, start: int = 0,
     return [SUITES[domain].task(split, i) for i in range(start, start + n)]
 
 
-def file_tasks(files: Mapping[str, tuple[str, str]], domain: str, split: str) -> list[Task]:
-    """Every task of ``domain``'s file in ``split``, in file order."""
+def file_tasks(files: Mapping[str, tuple[str, ...]], domain: str, split: str) -> list[Task]:
+    """Every task of ``domain``'s file in ``split``, in file order: the question-hash split of one file, or every
+    record of the train file or of the held-out file where the entry names one."""
     from envs.tasks.loaders import DOMAIN_OF, load_split
 
-    path, fmt = files[domain]
+    path, fmt, *rest = files[domain]
+    heldout = rest[0] if rest else None
     if DOMAIN_OF.get(fmt) != domain:
         raise TaskError(f"task file {path}: format {fmt!r} makes {DOMAIN_OF.get(fmt)} tasks, not {domain} ones")
+    if heldout:
+        return load_split(heldout if split == "heldout" else path, fmt, split, whole=split)
     return load_split(path, fmt, split)
 
 

@@ -22,6 +22,10 @@ is held out (``envs.tasks.base.content_split``, the synthetic suites' rule). So 
 whatever the row order or the file's copy, and a question that appears twice never lands on both sides. A task's id
 names its split (``gsm8k/train/17``: record 17 of the file).
 
+A dataset that ships its own split (verl's ``train.parquet`` and ``test.parquet``) is read as two files instead:
+``load(path, fmt, split, whole=split)`` puts every record of the file on ``split``'s side, and the task ids name
+each record of its own file (``verl/heldout/17``: record 17 of the held-out file).
+
 Tiny example files of each live in ``envs/tasks/examples/``. Test asserts that cannot be turned into
 ``call``/``expected`` cases (a literal on the right-hand side) are rejected with the record named, rather than
 silently dropped.
@@ -53,7 +57,14 @@ def _records(path: str | Path) -> list[dict[str, Any]]:
     kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(path.suffix)
     if kind is None:
         raise TaskError(f"task file {path}: use {', '.join(SUFFIXES)}, got {path.suffix!r}")
-    return list(load_dataset(kind, data_files=str(path), split="train"))
+    if kind == "json" and not path.read_bytes().strip():
+        return []  # datasets raises "corresponds to no data" on a file with no records
+    try:
+        return list(load_dataset(kind, data_files=str(path), split="train"))
+    except Exception as e:  # datasets wraps the parser's error: name the file and the cause, not datasets' builder
+        cause = e.__cause__ or e
+        raise TaskError(f"task file {path}: not readable as {'JSON lines or a JSON list' if kind == 'json' else kind}"
+                        f" ({type(cause).__name__}: {str(cause)[:300]})") from e
 
 
 def _require(rec: dict, keys: tuple[str, ...], fmt: str, i: int) -> None:
@@ -138,17 +149,20 @@ def _question(rec: dict, fmt: str) -> str:
     return f"{rec.get('repo', '')}\x00{rec.get('problem_statement', '')}"
 
 
-def load(path: str | Path, fmt: str, split: str | None = None, visible: int = 1) -> list[Task]:
+def load(path: str | Path, fmt: str, split: str | None = None, visible: int = 1, whole: str | None = None
+         ) -> list[Task]:
     """Tasks from a local file in one of ``FORMATS``, in file order: the records of ``split`` ("train" or "heldout",
-    by the question's hash: the module's docstring), or every record (None). ``visible`` test cases per coding task
-    are shown. Every record of the file is checked, whichever split is asked for."""
+    by the question's hash: the module's docstring), or every record (None). ``whole``: every record is on that
+    side instead (the file is one half of a dataset's own split). ``visible`` test cases per coding task are shown.
+    Every record of the file is checked, whichever split is asked for."""
     if fmt not in FORMATS:
         raise TaskError(f"unknown task format {fmt!r}; valid formats: {list(FORMATS)}")
-    if split is not None:
-        check_split(split)
+    for s in (split, whole):
+        if s is not None:
+            check_split(s)
     tasks = []
     for i, rec in enumerate(_records(path)):
-        own = content_split(_question(rec, fmt))
+        own = whole or content_split(_question(rec, fmt))
         tid = f"{fmt}/{own}/{rec.get('task_id', rec.get('instance_id', i))}"
         if fmt == "verl":
             tasks.append(Task(tid, "general", _verl_prompt(rec, i), "answer",
@@ -191,15 +205,15 @@ def load(path: str | Path, fmt: str, split: str | None = None, visible: int = 1)
     return [t for t in tasks if split is None or t.task_id.split("/")[1] == split]
 
 
-def load_split(path: str | Path, fmt: str, split: str) -> list[Task]:
-    """``load(path, fmt, split)``, read once per process for each version of the file (the prompt source draws one
-    task at a time; evaluation asks again every ``run.eval_every`` iterations)."""
+def load_split(path: str | Path, fmt: str, split: str, whole: str | None = None) -> list[Task]:
+    """``load(path, fmt, split, whole=whole)``, read once per process for each version of the file (the prompt
+    source draws one task at a time; evaluation asks again every ``run.eval_every`` iterations)."""
     p = Path(path).resolve()
     if not p.exists():
         raise TaskError(f"task file {p} does not exist")
-    return list(_load_cached(str(p), fmt, split, p.stat().st_mtime_ns))
+    return list(_load_cached(str(p), fmt, split, whole, p.stat().st_mtime_ns))
 
 
 @functools.lru_cache(maxsize=16)
-def _load_cached(path: str, fmt: str, split: str, _mtime_ns: int) -> tuple[Task, ...]:
-    return tuple(load(path, fmt, split))
+def _load_cached(path: str, fmt: str, split: str, whole: str | None, _mtime_ns: int) -> tuple[Task, ...]:
+    return tuple(load(path, fmt, split, whole=whole))

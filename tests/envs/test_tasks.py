@@ -236,3 +236,38 @@ def test_loader_errors_name_the_problem(tmp_path):
         get_tasks("math", "train", 1)
     with pytest.raises(TaskError, match=r"split must be one of \['train', 'heldout'\]"):
         get_tasks("general", "test", 1)
+
+
+def test_a_dataset_that_ships_its_own_split_is_read_as_two_files(tmp_path):
+    """verl's train.parquet and test.parquet (``tasks.files: {path, format, heldout}``): every record of the train
+    file trains and every record of the held-out file is held out, whatever their questions hash to; each task's
+    id names its record in its own file."""
+    from envs.tasks import file_tasks, get_tasks
+
+    train, test = gsm8k_file(tmp_path / "train.jsonl", 30), tmp_path / "test.jsonl"
+    rows = train.read_text().splitlines()
+    test.write_text("".join(line.replace("apples", "pears") + "\n" for line in rows[:7]))
+    files = {"general": (str(train), "gsm8k", str(test))}
+    tr, held = file_tasks(files, "general", "train"), file_tasks(files, "general", "heldout")
+    assert [t.task_id for t in tr] == [f"gsm8k/train/{i}" for i in range(30)]
+    assert [t.task_id for t in held] == [f"gsm8k/heldout/{i}" for i in range(7)]
+    assert all("pears" in t.prompt for t in held) and not any("pears" in t.prompt for t in tr)
+    # one file alone is split by question hash: some of these 30 are held out, and those do not train
+    hashed = file_tasks({"general": (str(train), "gsm8k")}, "general", "train")
+    assert 0 < len(hashed) < 30
+    assert [t.task_id for t in get_tasks("general", "heldout", 3, start=2, files=files)] == [
+        f"gsm8k/heldout/{i}" for i in (2, 3, 4)]
+
+
+@pytest.mark.parametrize("name,text,match", [
+    ("bad.jsonl", '{"question": 1', r"bad.jsonl: not readable as JSON lines or a JSON list \(ArrowInvalid: JSON parse"),
+    ("bad.parquet", "not parquet", r"bad.parquet: not readable as parquet \(ArrowInvalid: .*magic bytes"),
+])
+def test_a_task_file_that_does_not_parse_names_the_file_and_the_cause(tmp_path, name, text, match):
+    # datasets raised its own builder's error (DatasetGenerationError, "An error occurred while generating the
+    # dataset"), which check_paths let through as a traceback; an empty file raised "corresponds to no data"
+    (tmp_path / name).write_text(text)
+    with pytest.raises(TaskError, match=match):
+        load(tmp_path / name, "gsm8k")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    assert load(tmp_path / "empty.jsonl", "gsm8k") == []

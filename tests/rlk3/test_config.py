@@ -166,9 +166,20 @@ def test_composes_defaults_file_and_overrides(tmp_path):
         ("defaults: [stage/rl]\n", [f"tasks.files={{general: {EXAMPLES.parent}/loaders.py}}"],
          r"tasks.files.general='.*loaders.py': a task file is .jsonl, .json, .parquet, got '.py'"),
         ("defaults: [stage/rl]\n", ["tasks.files={general: [a.jsonl]}"],
-         r"tasks.files.general must be a path or \{path: ..., format: ...\}, got \['a.jsonl'\]"),
+         r"tasks.files.general must be a path or \{path: ..., format: ...\}, with heldout: .*, got \['a.jsonl'\]"),
         ("defaults: [stage/sft]\n", [f"tasks.files={{general: {EXAMPLES}/gsm8k.jsonl}}"],
          r"tasks.files=.*: the sft stage demonstrates the synthetic suites .* reads no task file"),
+        # a dataset's own held-out file: it must exist, be a task file and not be the train file itself
+        ("defaults: [stage/rl]\n", [f"tasks.files={{general: {{path: {EXAMPLES}/gsm8k.jsonl, format: gsm8k, "
+                                     f"heldout: /data/test.parquet}}}}"],
+         r"tasks.files.general.heldout='/data/test.parquet': no such file"),
+        ("defaults: [stage/rl]\n", [f"tasks.files={{general: {{path: {EXAMPLES}/gsm8k.jsonl, format: gsm8k, "
+                                     f"heldout: {EXAMPLES}/gsm8k.jsonl}}}}"],
+         r"tasks.files.general.heldout names the train file itself .* drop heldout to split"),
+        ("defaults: [stage/rl]\n", [f"tasks.files={{general: {{path: {EXAMPLES}/gsm8k.jsonl, format: gsm8k, "
+                                     f"test: {EXAMPLES}/verl.jsonl}}}}"],
+         r"tasks.files.general must be a path or \{path: ..., format: ...\}, with heldout: <path> where the "
+         r"dataset ships its own held-out file"),
     ],
 )
 def test_bad_configs_name_the_key_and_valid_values(tmp_path, text, overrides, match):
@@ -220,6 +231,22 @@ def test_task_files_take_a_path_or_a_path_and_format_and_their_records_are_read_
     with pytest.raises(ConfigError, match=r"gsm8k record 0: has prompt and reward_model, not question .* format: verl"):
         check_paths(load_config(write(tmp_path, "defaults: [stage/rl]\n"),
                                 [f"tasks.files={{general: {EXAMPLES}/verl.jsonl}}"]))
+    # a dataset's own split (verl's train.parquet and test.parquet): each file is one side whole, and the teachers
+    # stage hands the held-out file on to each teacher with the train file
+    test = tmp_path / "test.jsonl"
+    test.write_text((EXAMPLES / "gsm8k.jsonl").read_text().splitlines()[0] + "\n")
+    own = load_config(write(tmp_path, "defaults: [stage/rl]\n"), [
+        f"tasks.files={{general: {{path: {EXAMPLES}/gsm8k.jsonl, format: gsm8k, heldout: {test}}}}}"])
+    assert task_files(own) == {"general": (f"{EXAMPLES}/gsm8k.jsonl", "gsm8k", str(test))}
+    check_paths(own)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ConfigError, match=r"tasks.files.general.heldout='.*empty.jsonl' holds no records"):
+        check_paths(load_config(write(tmp_path, "defaults: [stage/rl]\n"), [
+            f"tasks.files={{general: {{path: {EXAMPLES}/gsm8k.jsonl, format: gsm8k, heldout: {empty}}}}}"]))
+    check_paths(load_config(write(tmp_path, "defaults: [stage/rl]\n"), [  # not evaluated: no held-out file needed
+        f"tasks.files={{general: {{path: {EXAMPLES}/gsm8k.jsonl, format: gsm8k, heldout: {empty}}}}}",
+        "tasks.heldout_sizes.general=0"]))
     # the swe example's two records are both train: the domain could not be evaluated
     run = load_config(write(tmp_path, "defaults: [stage/rl]\n"),
                       ["tasks.domains=[agentic]", f"tasks.files={{agentic: {EXAMPLES}/swe.jsonl}}"])
