@@ -101,10 +101,14 @@ def test_each_teacher_trains_on_its_own_domains_task_file(tmp_path, monkeypatch)
     rec = Recorder()
     monkeypatch.setattr(driver, "run_rl", rec)
     general, coding = str(EXAMPLES / "gsm8k.jsonl"), str(EXAMPLES / "mbpp.jsonl")
-    run_teachers(teachers_config(tmp_path, "teachers.parallel=1", f"tasks.files.general={general}",
+    test = tmp_path / "test.jsonl"  # the dataset's own held-out file
+    test.write_text((EXAMPLES / "gsm8k.jsonl").read_text())
+    test = str(test)
+    run_teachers(teachers_config(tmp_path, "teachers.parallel=1",
+                                 f"tasks.files.general={{path: {general}, format: gsm8k, heldout: {test}}}",
                                  f"tasks.files.coding={{path: {coding}, format: mbpp}}"), log=lambda _: None)
     for e in ("high", "medium", "low"):
-        assert rec.runs[f"teacher-general-{e}"]["files"] == {"general": (general, "gsm8k")}
+        assert rec.runs[f"teacher-general-{e}"]["files"] == {"general": (general, "gsm8k", test)}
         assert rec.runs[f"teacher-coding-{e}"]["files"] == {"coding": (coding, "mbpp")}
         assert rec.runs[f"teacher-agentic-{e}"]["files"] == {}
 
