@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -130,7 +131,11 @@ class Cluster:
     when ``cluster.colocate`` is off). With ``cluster.train_workers`` = N > 1 there are N data-parallel train
     ranks, one bundle each (rank 0 shares the rollout worker's when colocated), joined into one process group.
     A rollout worker that dies is restarted, given the current weights and the carry-over buffer as of the
-    iteration's start, and the iteration runs again: no trajectory is lost."""
+    iteration's start, and the iteration runs again: no trajectory is lost.
+
+    Under ``cluster.overlap`` a rollout (and so a restart) runs on a thread while the driver trains: calls that go
+    to every train rank are submitted under one lock, so each rank sees them in the same order (two collectives
+    queued in different orders on two ranks would wait on each other forever)."""
 
     def __init__(self, cfg, out: Path) -> None:
         self.cfg, self.out = cfg, out
@@ -169,7 +174,8 @@ class Cluster:
         # on a shared GPU the engine's pool makes room for training; on CPU memory is not the constraint and a
         # release would drop the caches paused trajectories keep across the iteration boundary
         self.release_pool = cfg.cluster.colocate and bool(cfg.cluster.num_gpus)
-        self.version = 0
+        self.version = 0  # the version the engine holds
+        self._submit = threading.RLock()  # see the class docstring
         self._buffer: dict | None = None  # the rollout worker's buffer at the start of the current iteration
         self._ahead_pool: ThreadPoolExecutor | None = None
 
@@ -183,30 +189,33 @@ class Cluster:
             ray.get([self.trainer.open_weight_group.remote(host, port),
                      self.worker.open_weight_group.remote(host, port)])
 
-    def _push(self, version: int) -> None:
-        """Trainer weights → engine, as ``cluster.weight_sync`` says (rlk3/cluster/weight_sync.py)."""
+    def _push(self, version: int | None = None) -> int:
+        """Trainer weights → engine, as ``cluster.weight_sync`` says (rlk3/cluster/weight_sync.py); returns the
+        version the engine now holds. ``version`` None: the trainer's, read in the same submission as the weights,
+        so that the label is the weights' own even while a step is running (a restart during an overlapped step)."""
         mode = self.cfg.cluster.weight_sync
-        if mode == "broadcast":
-            ray.get([*self._on_all("send_weights"), self.worker.recv_weights.remote(version)])
-        elif mode == "cuda_ipc":
-            refs = self._on_all("share_weights")
-            ray.get(refs[1:])
-            try:
-                ray.get(self.worker.open_cuda_weights.remote(refs[0], version))
-            finally:  # copied (or refused): the trainer's tensors behind the handles are no longer needed
-                ray.get(self.trainer.drop_shared.remote())
-        else:
-            ray.get(self.worker.update_weights.remote(self._weights(), version))
+        with self._submit:  # the version read, then the weights, with no other train call between them on rank 0
+            v = self.trainer.version.remote() if version is None else version
+            if mode == "broadcast":  # sent inside the trainer's call: a step queued after it waits for it
+                refs = [*self._on_all("send_weights"), self.worker.recv_weights.remote(v)]
+            elif mode == "object_store":  # serialised when rank 0's call returns, before a step queued after it runs
+                w = self._on_all("weights")  # the other ranks take part in gathering them
+                refs = [self.worker.update_weights.remote(w[0], v), *w[1:]]
+            else:  # cuda_ipc: the engine reads the trainer's own tensors; no step may be submitted until it has
+                refs = self._on_all("share_weights")
+                ray.get(refs[1:])
+                try:
+                    ray.get(self.worker.open_cuda_weights.remote(refs[0], v))
+                finally:  # copied (or refused): the trainer's tensors behind the handles are no longer needed
+                    ray.get(self.trainer.drop_shared.remote())
+                refs = []
+        ray.get(refs)
+        return ray.get(v) if version is None else version
 
     def _on_all(self, method: str, *args) -> list:
         """Call a train method on every rank (under data parallelism each is a collective): one ref per rank."""
-        return [getattr(t, method).remote(*args) for t in self.trainers]
-
-    def _weights(self):
-        """Rank 0's full weights (a ref); the other ranks take part in gathering them and return nothing."""
-        refs = self._on_all("weights")
-        ray.get(refs[1:])
-        return refs[0]
+        with self._submit:
+            return [getattr(t, method).remote(*args) for t in self.trainers]
 
     def restore(self, saved) -> int:
         ray.get(self._on_all("load_state", ray.put(saved.trainer)))
@@ -237,11 +246,13 @@ class Cluster:
         if state is not None:
             ray.get(self.worker.load_state.remote(state))
         self._buffer = ray.get(self.worker.state.remote())
+        trains_under = self.version + ahead  # the version these trajectories will train under
         for attempt in range(3):
             try:
                 if self.release_pool:
                     ray.get(self.worker.reacquire_memory.remote())
-                dicts, stats = ray.get(self.worker.iterate.remote(it, ahead))
+                # a restart during an overlapped step may have given the engine that version already
+                dicts, stats = ray.get(self.worker.iterate.remote(it, trains_under - self.version))
                 if self.release_pool:
                     ray.get(self.worker.release_memory.remote())  # training's turn for the memory
                 stats["restarts"] = attempt
@@ -256,8 +267,10 @@ class Cluster:
                 self.worker = self._new_rollout()
                 self._open_weight_group()
                 ray.get(self.worker.load_state.remote(self._buffer))
-                if self.version:
-                    self._push(self.version)
+                # the trainer's weights as they are now, labelled with their own version: under overlap the step
+                # running beside this may have finished, and its weights labelled as the older version would count
+                # every token one version staler than it is. Version 0 is the checkpoint the new worker loaded.
+                self.version = self._push() if ray.get(self.trainer.version.remote()) else 0
         raise AssertionError("unreachable")
 
     def distil(self, trajs: list[Trajectory]) -> tuple[list[Trajectory], dict]:

@@ -101,11 +101,12 @@ class RolloutWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def iterate(self, step: int, ahead: bool = False) -> tuple[list[dict], dict]:
+    def iterate(self, step: int, ahead: int = 0) -> tuple[list[dict], dict]:
         """One iteration of partial rollouts; the complete groups' trajectories (as dicts) and the stats. ``ahead``
         (``cluster.overlap``): the previous iteration is training meanwhile, so these trajectories train under the
-        version after the engine's; the scheduler counts staleness against that one, and ``rollout.max_staleness``
-        bounds what the trainer sees (against the engine's, a trained token could lag by one more)."""
+        version ``ahead`` (1) after the engine's; the scheduler counts staleness against that one, and
+        ``rollout.max_staleness`` bounds what the trainer sees (against the engine's, a trained token could lag by
+        one more)."""
         trajs, stats = self.aio.run_until_complete(self.partial.iterate(step, self.engine.version, ahead=int(ahead)))
         s = stats.__dict__.copy()
         s["engine"] = self.engine.stats().__dict__ if hasattr(self.engine.stats(), "__dict__") else {}

@@ -168,7 +168,7 @@ def test_sync_sends_only_new_weights(monkeypatch):
     versions = iter([0, 1, 1, 2])  # the trainer's version after iterations that trained / did not
     cluster = driver.Cluster.__new__(driver.Cluster)
     cluster.cfg = load_config(ROOT / "configs/quickstart.yaml")  # cluster.weight_sync: object_store
-    cluster.version = 0
+    cluster.version, cluster._submit = 0, threading.RLock()
     cluster.trainer = SimpleNamespace(version=_Method(lambda: next(versions)), weights=_Method(lambda: {}))
     cluster.trainers = [cluster.trainer]
     cluster.worker = SimpleNamespace(update_weights=_Method(update_weights))
@@ -197,6 +197,7 @@ def test_a_rollout_worker_restart_says_why_the_worker_died(monkeypatch, capsys):
     cluster = driver.Cluster.__new__(driver.Cluster)
     cluster.cfg = load_config(ROOT / "configs/quickstart.yaml")
     cluster.release_pool, cluster.version, cluster.worker = False, 0, worker(dies)
+    cluster.trainer = SimpleNamespace(version=_Method(lambda: 0))  # no step yet: the new worker's checkpoint is it
     monkeypatch.setattr(cluster, "_new_rollout", lambda: worker(lambda it, ahead: ([], {})))
     trajs, stats = cluster._rollout(1, None)
     assert trajs == [] and stats["restarts"] == 1
@@ -248,7 +249,7 @@ def test_cuda_ipc_sync_keeps_no_gathered_copy_of_the_weights(monkeypatch):
                             drop_shared=_Method(lambda: calls.append("drop")))
     cluster = driver.Cluster.__new__(driver.Cluster)
     cluster.cfg = SimpleNamespace(cluster=SimpleNamespace(weight_sync="cuda_ipc"))
-    cluster.trainer, cluster.trainers = rank0, [rank0]
+    cluster.trainer, cluster.trainers, cluster._submit = rank0, [rank0], threading.RLock()
     cluster.worker = SimpleNamespace(open_cuda_weights=_Method(lambda h, v: calls.append(("open", h, v))))
     cluster._push(3)
     assert calls == ["share", ("open", {"w": "handle"}, 3), "drop"]
@@ -375,3 +376,74 @@ def test_under_overlap_max_staleness_bounds_what_the_trainer_sees(init_dir, tmp_
                                         r"rollout.max_staleness>=2"):
         load_config(ROOT / "configs/quickstart.yaml", overrides(tmp_path / "o", init_dir,
                                                                 **{**extra, "rollout.max_staleness": 1}))
+
+
+def test_a_rollout_worker_restarted_beside_a_finished_step_labels_the_weights_it_was_given(init_dir, tmp_path,
+                                                                                           ray_local):
+    """Under cluster.overlap iteration i + 1's rollout runs while iteration i trains, and the driver syncs only after
+    both. A rollout worker that dies in between is restarted with the trainer's weights as they are then: once the
+    step is done, version 1's. They were labelled with the driver's last synced version (0), so every token counted
+    one version staler than it was, against max_staleness too. Now the label is read with the weights."""
+    from rlk3.cluster.driver import Cluster
+
+    extra = {"cluster.colocate": False, "cluster.overlap": True, "run.checkpoint_every": 100, "rollout.lam": 1.0}
+    cluster = Cluster(load_config(ROOT / "configs/quickstart.yaml", overrides(tmp_path / "o", init_dir, **extra)),
+                      tmp_path / "o")
+    try:
+        trajs, _, _ = cluster.rollout(0, None)
+        cluster.train(trajs)  # the trainer is at version 1; the engine holds 0 until the driver's sync
+        killed = []
+
+        def killer():  # the overlapped rollout of iteration 1 dies inside its iterate call, after the step
+            while not killed:
+                out = subprocess.run(["pgrep", "-f", "ray::RolloutWorker.iterate"], capture_output=True, text=True)
+                for pid in out.stdout.split():
+                    os.kill(int(pid), signal.SIGKILL)
+                    killed.append(int(pid))
+                time.sleep(0.02)
+
+        threading.Thread(target=killer, daemon=True).start()
+        trajs, stats, _ = cluster.rollout(1, None, ahead=True)
+        assert killed
+        assert stats["restarts"] == 1 and cluster.version == 1
+        assert {v for t in trajs for v in t.policy_versions} == {1}
+        m = cluster.train(trajs)
+        assert m["train/stale_frac"] == 0.0 and abs(m["train/is_weight_mean"] - 1) < 1e-3  # version 1's weights
+        assert cluster.sync() == 2
+    finally:
+        cluster.close()
+
+
+def test_train_calls_from_two_threads_reach_every_rank_in_one_order(monkeypatch):
+    """Under cluster.overlap a rollout worker's restart pushes weights from the rollout thread while the driver's
+    thread submits the step. With data parallelism both are collectives: rank 0 queued the step before the gather
+    and rank 1 the gather before the step, and each waited for the other forever. Each call to every rank is now
+    submitted under one lock."""
+    from types import SimpleNamespace
+
+    from rlk3.cluster import driver
+
+    monkeypatch.setattr(driver.ray, "get", lambda x: x)
+    seen = {0: [], 1: []}
+
+    def rank(r):
+        def call(name, out=None):
+            def remote(*_):
+                seen[r].append(name)
+                time.sleep(0.002)  # a submission takes time: the other thread gets in between ranks if it can
+                return out
+            return _Method(remote)
+        return SimpleNamespace(step=call("step"), weights=call("weights", {}), version=call("version", 1))
+
+    cluster = driver.Cluster.__new__(driver.Cluster)
+    cluster.cfg = SimpleNamespace(cluster=SimpleNamespace(weight_sync="object_store"))
+    cluster.trainers = [rank(0), rank(1)]
+    cluster.trainer, cluster._submit = cluster.trainers[0], threading.RLock()
+    cluster.worker = SimpleNamespace(update_weights=_Method(lambda w, v: None))
+    steps = threading.Thread(target=lambda: [cluster._on_all("step") for _ in range(30)])
+    steps.start()
+    for _ in range(30):
+        cluster._push()
+    steps.join()
+    collective = [[name for name in seen[r] if name != "version"] for r in (0, 1)]  # version: rank 0 alone
+    assert collective[0] == collective[1] and collective[0].count("step") == 30
