@@ -130,8 +130,9 @@ class Cluster:
     """The Ray side: one placement group; rollout and train workers colocated in its bundle (or in two bundles
     when ``cluster.colocate`` is off). With ``cluster.train_workers`` = N > 1 there are N data-parallel train
     ranks, one bundle each (rank 0 shares the rollout worker's when colocated), joined into one process group.
-    A rollout worker that dies is restarted, given the current weights and the carry-over buffer as of the
-    iteration's start, and the iteration runs again: no trajectory is lost.
+    A rollout worker that dies is restarted, given the trainer's weights and the carry-over buffer as the last
+    rollout left it: in a rollout, the iteration runs again; between rollouts (an evaluation, a weight push, a
+    checkpoint), before the next call to it. No trajectory is lost.
 
     Under ``cluster.overlap`` a rollout (and so a restart) runs on a thread while the driver trains: calls that go
     to every train rank are submitted under one lock, so each rank sees them in the same order (two collectives
@@ -176,11 +177,32 @@ class Cluster:
         self.release_pool = cfg.cluster.colocate and bool(cfg.cluster.num_gpus)
         self.version = 0  # the version the engine holds
         self._submit = threading.RLock()  # see the class docstring
-        self._buffer: dict | None = None  # the rollout worker's buffer at the start of the current iteration
+        self._buffer: dict | None = None  # the rollout worker's carry-over buffer as its last rollout left it
         self._ahead_pool: ThreadPoolExecutor | None = None
 
     def _new_rollout(self):
         return ray.remote(RolloutWorker).options(**self._rollout_opts).remote(self.cfg, str(self.out))
+
+    def _revive(self, why: str, e: BaseException, then: str = "") -> None:
+        """A new rollout worker in the dead one's place: the weight group rejoined, the carry-over buffer as the
+        last rollout left it, the trainer's weights labelled with their own version (under overlap the step
+        running beside this may have finished; version 0 is the checkpoint the new worker loaded)."""
+        # why it died (killed, out of memory, a crash in the engine) is in Ray's error: say it, or a run that
+        # recovers leaves only 'died' in its log and a recurring cause goes unnoticed until it stops the run
+        print(f"rl: the rollout worker died {why} ({type(e).__name__}: {e}); restarting it{then}", flush=True)
+        self.worker = self._new_rollout()
+        self._open_weight_group()
+        if self._buffer is not None:
+            ray.get(self.worker.load_state.remote(self._buffer))
+        self.version = self._push() if ray.get(self.trainer.version.remote()) else 0
+
+    def _live_worker(self):
+        """The rollout worker, revived first if it died since its last rollout."""
+        try:
+            ray.get(self.worker.__ray_ready__.remote())
+        except RayActorError as e:
+            self._revive("between rollouts", e)
+        return self.worker
 
     def _open_weight_group(self) -> None:
         """``cluster.weight_sync: broadcast``: train rank 0 and the rollout worker meet in a group of two."""
@@ -243,9 +265,12 @@ class Cluster:
         return trajs, stats, time.perf_counter() - t
 
     def _rollout(self, it: int, state: dict | None, ahead: bool = False) -> tuple[list[Trajectory], dict]:
-        if state is not None:
-            ray.get(self.worker.load_state.remote(state))
-        self._buffer = ray.get(self.worker.state.remote())
+        if state is not None:  # a resume: the checkpoint's buffer
+            ray.get(self._live_worker().load_state.remote(state))
+        if state is not None or self._buffer is None:
+            self._buffer = ray.get(self._live_worker().state.remote())
+        else:
+            self._live_worker()
         trains_under = self.version + ahead  # the version these trajectories will train under
         for attempt in range(3):
             try:
@@ -255,22 +280,15 @@ class Cluster:
                 dicts, stats = ray.get(self.worker.iterate.remote(it, trains_under - self.version))
                 if self.release_pool:
                     ray.get(self.worker.release_memory.remote())  # training's turn for the memory
+                # what a worker that dies before the next rollout restarts from (a death inside one reruns it from
+                # the buffer as it began)
+                self._buffer = ray.get(self.worker.state.remote())
                 stats["restarts"] = attempt
                 return [Trajectory.from_dict(d) for d in dicts], stats
             except RayActorError as e:
                 if attempt == 2:
                     raise
-                # why it died (killed, out of memory, a crash in the engine) is in Ray's error: say it, or a run that
-                # recovers leaves only 'died' in its log and a recurring cause goes unnoticed until the third time
-                print(f"rl: the rollout worker died in iteration {it} ({type(e).__name__}: {e}); restarting it and "
-                      "running the iteration again")
-                self.worker = self._new_rollout()
-                self._open_weight_group()
-                ray.get(self.worker.load_state.remote(self._buffer))
-                # the trainer's weights as they are now, labelled with their own version: under overlap the step
-                # running beside this may have finished, and its weights labelled as the older version would count
-                # every token one version staler than it is. Version 0 is the checkpoint the new worker loaded.
-                self.version = self._push() if ray.get(self.trainer.version.remote()) else 0
+                self._revive(f"in iteration {it}", e, " and running the iteration again")
         raise AssertionError("unreachable")
 
     def distil(self, trajs: list[Trajectory]) -> tuple[list[Trajectory], dict]:
@@ -286,8 +304,10 @@ class Cluster:
         nothing): through the object store, a broadcast group or CUDA IPC handles (``cluster.weight_sync``)."""
         version = ray.get(self.trainer.version.remote())
         if version > self.version:
-            self._push(version)
-            self.version = version
+            self._live_worker()  # one revived here starts with the trainer's weights
+            if version > self.version:
+                self._push(version)
+                self.version = version
         return self.version
 
     def evaluate(self, budget: int) -> dict:
@@ -298,7 +318,7 @@ class Cluster:
             slices = [(d, e, DEFAULT_BUDGETS[e]) for d in cfg.tasks.domains for e in cfg.rollout.efforts]
         else:
             slices = [(d, cfg.effort.level, budget) for d in cfg.tasks.domains]
-        res = ray.get(self.worker.evaluate.remote(slices, heldout_sizes(cfg)))
+        res = ray.get(self._live_worker().evaluate.remote(slices, heldout_sizes(cfg)))
         out = {}
         for r in res:
             for k in ("pass_rate", "mean_tokens", "over_budget_rate"):
@@ -309,7 +329,7 @@ class Cluster:
         return ray.get(self._on_all("state"))[0]
 
     def rollout_state(self):
-        return ray.get(self.worker.state.remote())
+        return ray.get(self._live_worker().state.remote())
 
     def save_model(self, path: Path, manifest: dict) -> None:
         path.mkdir(parents=True, exist_ok=True)

@@ -171,7 +171,7 @@ def test_sync_sends_only_new_weights(monkeypatch):
     cluster.version, cluster._submit = 0, threading.RLock()
     cluster.trainer = SimpleNamespace(version=_Method(lambda: next(versions)), weights=_Method(lambda: {}))
     cluster.trainers = [cluster.trainer]
-    cluster.worker = SimpleNamespace(update_weights=_Method(update_weights))
+    cluster.worker = SimpleNamespace(update_weights=_Method(update_weights), __ray_ready__=_Method(lambda: True))
     assert [cluster.sync() for _ in range(4)] == [0, 1, 1, 2]
     assert engine_version == 2
 
@@ -192,11 +192,12 @@ def test_a_rollout_worker_restart_says_why_the_worker_died(monkeypatch, capsys):
         raise RayActorError(error_msg=cause)
 
     def worker(iterate):
-        return SimpleNamespace(iterate=_Method(iterate), state=_Method(lambda: {}), load_state=_Method(lambda s: None))
+        return SimpleNamespace(iterate=_Method(iterate), state=_Method(lambda: {}), load_state=_Method(lambda s: None),
+                               __ray_ready__=_Method(lambda: True))
 
     cluster = driver.Cluster.__new__(driver.Cluster)
     cluster.cfg = load_config(ROOT / "configs/quickstart.yaml")
-    cluster.release_pool, cluster.version, cluster.worker = False, 0, worker(dies)
+    cluster.release_pool, cluster.version, cluster.worker, cluster._buffer = False, 0, worker(dies), None
     cluster.trainer = SimpleNamespace(version=_Method(lambda: 0))  # no step yet: the new worker's checkpoint is it
     monkeypatch.setattr(cluster, "_new_rollout", lambda: worker(lambda it, ahead: ([], {})))
     trajs, stats = cluster._rollout(1, None)
@@ -447,3 +448,44 @@ def test_train_calls_from_two_threads_reach_every_rank_in_one_order(monkeypatch)
     steps.join()
     collective = [[name for name in seen[r] if name != "version"] for r in (0, 1)]  # version: rank 0 alone
     assert collective[0] == collective[1] and collective[0].count("step") == 30
+
+
+def test_a_rollout_worker_that_dies_between_rollouts_is_revived_with_its_buffer(init_dir, tmp_path, ray_local):
+    """Only a death inside a rollout was restarted: a rollout worker that died outside one (idle while the trainer
+    steps, in an evaluation, a weight push, a checkpoint's state read) stopped the run at the driver's next call to
+    it. It is revived before that call, with the carry-over buffer its last rollout left (λ < 1: paused and early
+    finished trajectories) and the trainer's weights."""
+    import ray
+
+    from rlk3.cluster.driver import Cluster
+
+    extra = {"rollout.lam": 0.5, "rollout.max_staleness": 2, "run.checkpoint_every": 100}
+    cluster = Cluster(load_config(ROOT / "configs/quickstart.yaml", overrides(tmp_path / "o", init_dir, **extra)),
+                      tmp_path / "o")
+    def kill(actor):  # dead before the driver's next call (ray.kill returns before the process is gone)
+        pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()))
+        os.kill(pid, signal.SIGKILL)
+        while os.path.exists(f"/proc/{pid}") and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]:
+            time.sleep(0.01)
+
+    try:
+        it, trajs = 0, []
+        while not trajs:  # with λ = 0.5 an iteration may complete no group
+            trajs, _, _ = cluster.rollout(it, None)
+            it += 1
+        buffer = cluster.rollout_state()
+        assert buffer["buffer"]  # trajectories carried into the next iteration
+        cluster.train(trajs)
+        kill(cluster.worker)  # idle while the trainer stepped
+        assert cluster.sync() == 1 and cluster.rollout_state() == buffer
+        kill(cluster.worker)
+        assert "eval/general/high/pass_rate" in cluster.evaluate(512)
+        kill(cluster.worker)
+        assert cluster.rollout_state() == buffer
+        trajs, stats, _ = cluster.rollout(it, None)
+        assert stats["restarts"] == 0 and trajs
+        carried = {t["uid"] for t in buffer["buffer"]}  # each trained now or still carried: none lost
+        assert carried <= {t.uid for t in trajs} | {t["uid"] for t in cluster.rollout_state()["buffer"]}
+        assert max(v for t in trajs for v in t.policy_versions) == 1
+    finally:
+        cluster.close()
