@@ -91,7 +91,9 @@ def test_a_bfloat16_rl_iteration_on_a_gpu(tmp_path):
 
     cfg = load_config(ROOT / "configs/quickstart.yaml", [
         "model.init_from=null", "model.preset=k3-small", "model.dtype=bfloat16", "rollout.groups_per_iteration=4",
-        "rollout.group_size=4", "rollout.max_new_tokens=48", "cluster.num_gpus=1"])
+        "rollout.group_size=4", "rollout.max_new_tokens=48", "cluster.num_gpus=1",
+        # 16 sequences at most: the graphs (each compiled on a fresh machine) of larger batches would go unused
+        "rollout.engine.cuda_graph_batch_sizes=[1,2,4,8,16]"])
     rollout = RolloutWorker(cfg, str(tmp_path))
     try:
         engine = rollout.engine
