@@ -3,8 +3,8 @@
 Stages: ``sft`` (demonstrations → the checkpoint RL starts from), ``rl`` (one effort-budget teacher), ``teachers``
 (the nine teachers), ``mopd`` (distil the teachers into one student), ``demo`` (all of them, then ``eval``), ``eval``
 (every model of a manifest on the held-out slices: ``python -m rlk3 eval <manifest.json> [n=40] [device=auto]``, no
-config). The
-config is composed and validated before anything is allocated (``rlk3.config``); ``--print-config`` shows the result.
+config). The config is composed and validated before anything is allocated (``rlk3.config``); ``--print-config``
+shows the result.
 """
 
 from __future__ import annotations

@@ -215,17 +215,17 @@ class Evaluation:
     (all efforts: the ordering of tokens by effort is read there); the base and the student on all nine.
 
     ``device``: "cpu", "cuda" or "auto" (the default: the GPU where there is one). On a GPU the models run one after
-    another in one process beside this one (None ``workers``), each with its engine on the card; a GPU turns a
-    k3-small evaluation from hours of CPU decode into minutes."""
+    another in one process beside this one (None ``workers``), each with its engine on the card."""
 
     KINDS = ("sft", "teacher", "student")
     DEVICES = ("auto", "cpu", "cuda")
 
     def __init__(self, tasks_per_slice: dict[str, int], loop, workers: int | None = None, log=print,
-                 files: dict[str, tuple[str, str]] | None = None, device: str = "auto") -> None:
+                 files: dict[str, tuple[str, ...]] | None = None, device: str = "auto") -> None:
         self.device = resolve_device(device)
         self.n, self.loop, self.log = tasks_per_slice, loop, log
-        self.files = {d: tuple(f) for d, f in (files or {}).items()}  # domain -> (path, format): its held-out tasks
+        # domain -> (path, format[, held-out path]): its held-out tasks
+        self.files = {d: tuple(f) for d, f in (files or {}).items()}
         cuda = self.device == "cuda"
         if cuda:  # one process owns the card's evaluation (each model's engine takes its share of the free memory)
             self.pool = None if workers == 1 else concurrent.futures.ProcessPoolExecutor(

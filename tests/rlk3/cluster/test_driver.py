@@ -463,7 +463,7 @@ def test_a_rollout_worker_that_dies_between_rollouts_is_revived_with_its_buffer(
     cluster = Cluster(load_config(ROOT / "configs/quickstart.yaml", overrides(tmp_path / "o", init_dir, **extra)),
                       tmp_path / "o")
     def kill(actor):  # dead before the driver's next call (ray.kill returns before the process is gone)
-        pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()))
+        pid = ray.get(actor.pid.remote())
         os.kill(pid, signal.SIGKILL)
         while os.path.exists(f"/proc/{pid}") and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]:
             time.sleep(0.01)
