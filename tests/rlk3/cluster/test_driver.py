@@ -379,6 +379,7 @@ def test_under_overlap_max_staleness_bounds_what_the_trainer_sees(init_dir, tmp_
                                                                 **{**extra, "rollout.max_staleness": 1}))
 
 
+@pytest.mark.slow  # a Ray cluster of its own, ~1 min: the default suite stays near 20 min
 def test_a_rollout_worker_restarted_beside_a_finished_step_labels_the_weights_it_was_given(init_dir, tmp_path,
                                                                                            ray_local):
     """Under cluster.overlap iteration i + 1's rollout runs while iteration i trains, and the driver syncs only after
@@ -450,6 +451,7 @@ def test_train_calls_from_two_threads_reach_every_rank_in_one_order(monkeypatch)
     assert collective[0] == collective[1] and collective[0].count("step") == 30
 
 
+@pytest.mark.slow  # a Ray cluster of its own, ~1 min: the default suite stays near 20 min
 def test_a_rollout_worker_that_dies_between_rollouts_is_revived_with_its_buffer(init_dir, tmp_path, ray_local):
     """Only a death inside a rollout was restarted: a rollout worker that died outside one (idle while the trainer
     steps, in an evaluation, a weight push, a checkpoint's state read) stopped the run at the driver's next call to
