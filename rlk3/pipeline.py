@@ -320,6 +320,23 @@ def manifest_models(m: dict) -> list[tuple[str, str, str | None, str | None, str
     return models
 
 
+def check_manifest(m: dict, where: str = "the manifest") -> None:
+    """Before any model is loaded: every checkpoint the manifest names is a saved model directory, and every task
+    file it records is still there (a run directory moved or cleaned up failed inside an evaluation process, as a
+    traceback from the loader)."""
+    if not isinstance(m, dict) or "sft" not in m:
+        raise ValueError(f"{where} names no 'sft' checkpoint: a run manifest is what the demo stage writes "
+                         "(<run.output_dir>/manifest.json), with sft, teachers and student checkpoints")
+    for name, _kind, _d, _e, path in manifest_models(m):
+        if not (Path(path) / "config.json").is_file():
+            raise ValueError(f"{where}: {name}'s checkpoint {path!r} is not a saved model (no config.json there)")
+    for d, (path, fmt, *own) in (m.get("files") or {}).items():
+        for p in (path, *own):
+            if not Path(p).is_file():
+                raise ValueError(f"{where}: the {d} task file {p!r} ({fmt}) is gone; its held-out tasks are what "
+                                 f"{d} is evaluated on")
+
+
 def tasks_per_slice(heldout, n: int | None = None) -> dict[str, int]:
     """Held-out tasks per slice for each domain: ``n`` for all, else a manifest's ``heldout`` (per domain, or one count
     for every domain in older manifests)."""
@@ -337,6 +354,7 @@ def run_eval(manifest_path: str | Path, n: int | None = None, log=print, workers
 
     manifest_path = Path(manifest_path)
     m = json.loads(manifest_path.read_text())
+    check_manifest(m, str(manifest_path))
     with contextlib.nullcontext(started) if started else Evaluation.of_manifest(m, n, workers, log, device) as ev:
         for model in manifest_models(m):  # the caller's evaluation is the caller's to close
             if model[0] not in ev:

@@ -503,3 +503,27 @@ def test_eval_on_cuda_without_a_gpu_says_what_it_sees(tmp_path, capsys, monkeypa
     assert resolve_device("auto") == "cpu" and resolve_device("cpu") == "cpu"
     with pytest.raises(ValueError, match="valid are auto, cpu, cuda"):
         resolve_device("gpu")
+
+
+def test_eval_checks_the_manifest_before_loading_a_model(tmp_path, capsys):
+    # a moved or cleaned-up run directory failed inside an evaluation process, as a loader's traceback
+    import json
+
+    from rlk3.cli import main
+
+    manifest = tmp_path / "manifest.json"
+    base = tmp_path / "sft"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    cases = [
+        ("{", r"is not JSON"),
+        ("{}", r"names no 'sft' checkpoint"),
+        (json.dumps({"sft": str(base), "teachers": {"general/high": str(tmp_path / "gone")}}),
+         r"teacher-general-high's checkpoint '.*gone' is not a saved model \(no config.json there\)"),
+        (json.dumps({"sft": str(base), "files": {"general": [str(tmp_path / "train.jsonl"), "gsm8k"]}}),
+         r"the general task file '.*train.jsonl' \(gsm8k\) is gone"),
+    ]
+    for text, match in cases:
+        manifest.write_text(text)
+        assert main(["eval", str(manifest), "device=cpu"]) == 2
+        assert re.search(match, capsys.readouterr().err), text
