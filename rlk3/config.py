@@ -46,7 +46,9 @@ class TasksConfig:
     heldout_size: int = 64  # held-out tasks per domain for evaluation
     heldout_sizes: dict[str, int] = field(default_factory=dict)  # per-domain exceptions, e.g. {general: 400}
     # domain -> a local .jsonl/.json/.parquet task file that replaces the domain's synthetic suite in training and
-    # held-out evaluation: a path (general: gsm8k, agentic: swe) or {path: ..., format: ...} (coding: mbpp | humaneval)
+    # held-out evaluation: a path (general: gsm8k, agentic: swe) or {path: ..., format: ...} (coding: mbpp | humaneval),
+    # split by question hash; {path, format, heldout: <path>} where the dataset ships its own held-out file (verl's
+    # test.parquet)
     files: dict[str, Any] = field(default_factory=dict)
 
 
