@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # recipes/submit.sh <stage> <config.yaml> [key=value ...]: `ray job submit` one rlk3 stage.
 # RAY_ADDRESS set: that cluster's job server (http://head:8265). Unset: a local head is started (or reused) with
-# token auth and usage stats off. RLK3_OUTPUT_DIR (optional) sets run.output_dir to an absolute path.
+# token auth and usage stats off. RLK3_OUTPUT_DIR (optional) sets run.output_dir to an absolute path (not for eval,
+# which writes beside its manifest). RLK3_ENTRYPOINT_GPUS (optional) reserves GPUs for the entrypoint itself
+# (`--entrypoint-num-gpus`): eval runs its models in the entrypoint, so on a cluster whose head has no GPU, set it to 1
+# and the job runs on a node with one. The other stages need none there: their workers are Ray actors.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 PY="${PY:-$ROOT/.venv/bin/python}"
@@ -17,7 +20,9 @@ if [ -z "${RAY_ADDRESS:-}" ]; then
   export RAY_ADDRESS="http://127.0.0.1:$PORT"
 fi
 EXTRA=()
-if [ -n "${RLK3_OUTPUT_DIR:-}" ]; then EXTRA+=("run.output_dir=$RLK3_OUTPUT_DIR"); fi
-exec "$RAY" job submit --address "$RAY_ADDRESS" \
+if [ -n "${RLK3_OUTPUT_DIR:-}" ] && [ "$STAGE" != eval ]; then EXTRA+=("run.output_dir=$RLK3_OUTPUT_DIR"); fi
+SUBMIT=()
+if [ -n "${RLK3_ENTRYPOINT_GPUS:-}" ]; then SUBMIT+=(--entrypoint-num-gpus "$RLK3_ENTRYPOINT_GPUS"); fi
+exec "$RAY" job submit --address "$RAY_ADDRESS" ${SUBMIT[@]+"${SUBMIT[@]}"} \
   --runtime-env-json "{\"working_dir\": \"$ROOT\", \"excludes\": [\".venv\", \".cache\", \".git\", \"runs\", \"bench/results\", \"node_modules\"], \"env_vars\": {\"RAY_AUTH_MODE\": \"disabled\"}}" \
   -- "$PY" -m rlk3 "$STAGE" "$CONFIG" ${EXTRA[@]+"${EXTRA[@]}"} "$@"

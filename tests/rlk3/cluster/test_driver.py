@@ -144,6 +144,32 @@ def test_ray_job_submit_of_the_quickstart_recipe(init_dir, tmp_path):
         subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
 
 
+def test_the_eval_recipe_submits_an_absolute_manifest_and_can_reserve_a_gpu(tmp_path):
+    """recipes/eval.sh: the job runs in a copy of the repository without runs/, so the documented relative manifest
+    path (runs/demo/manifest.json) was not there; RLK3_OUTPUT_DIR added run.output_dir, which eval refuses; and the
+    entrypoint, where eval runs its models, could not ask for a GPU. A stand-in `ray` records what is submitted."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "ray").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$RAY_ARGS"\n')
+    (fake / "ray").chmod(0o755)
+    env = {**os.environ, "PY": str(fake / "python"), "RAY_ADDRESS": "http://head:8265",
+           "RAY_ARGS": str(tmp_path / "args"), "RLK3_OUTPUT_DIR": str(tmp_path / "out")}
+
+    def submit(*args, **extra):
+        subprocess.run(["bash", str(ROOT / "recipes/eval.sh"), *args], cwd=tmp_path, env={**env, **extra},
+                       check=True, timeout=60)
+        return (tmp_path / "args").read_text().splitlines()
+
+    got = submit("runs/demo/manifest.json", "n=4")
+    entry = got[got.index("--") + 1:]
+    assert entry == [str(fake / "python"), "-m", "rlk3", "eval", str(tmp_path / "runs/demo/manifest.json"), "n=4"]
+    assert "--entrypoint-num-gpus" not in got
+    got = submit("m.json", RLK3_ENTRYPOINT_GPUS="1")
+    assert got[got.index("--entrypoint-num-gpus") + 1] == "1" and got.index("--entrypoint-num-gpus") < got.index("--")
+    r = subprocess.run(["bash", str(ROOT / "recipes/eval.sh")], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "usage: recipes/eval.sh <manifest.json>" in r.stderr
+
+
 class _Method:  # an actor method stand-in: ``.remote(...)`` calls it in place
     def __init__(self, fn):
         self.remote = fn
