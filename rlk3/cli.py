@@ -10,7 +10,6 @@ shows the result.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -47,15 +46,10 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         try:
-            device = pipeline.resolve_device(device)
-            pipeline.check_manifest(json.loads(Path(args.config).read_text()), args.config)
-        except json.JSONDecodeError as e:
-            print(f"eval: {args.config} is not JSON ({e}); a manifest is what the demo stage writes", file=sys.stderr)
-            return 2
-        except ValueError as e:
+            pipeline.run_eval(args.config, n, device=pipeline.resolve_device(device))
+        except (pipeline.DeviceError, pipeline.ManifestError) as e:
             print(f"eval: {e}", file=sys.stderr)
             return 2
-        pipeline.run_eval(args.config, n, device=device)
         return 0
     try:
         cfg = load_config(args.config, [*args.overrides, f"run.stage={args.stage}"])

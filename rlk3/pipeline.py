@@ -226,17 +226,14 @@ class Evaluation:
         self.n, self.loop, self.log = tasks_per_slice, loop, log
         # domain -> (path, format[, held-out path]): its held-out tasks
         self.files = {d: tuple(f) for d, f in (files or {}).items()}
+        # on the CPU k3-tiny's small ops use one core poorly (and two threads beside a busy process spin), so models
+        # run side by side at one thread each; on a GPU one process beside this one owns the card's evaluation (each
+        # model's engine takes its share of the free memory)
         cuda = self.device == "cuda"
-        if cuda:  # one process owns the card's evaluation (each model's engine takes its share of the free memory)
-            self.pool = None if workers == 1 else concurrent.futures.ProcessPoolExecutor(
-                workers or 1, mp_context=multiprocessing.get_context("spawn"))
-        else:
-            # k3-tiny's small ops use one core poorly (and two threads beside a busy process spin), so models run
-            # side by side at one thread each
-            workers = workers or min(os.cpu_count() or 1, 4)
-            self.pool = None if workers == 1 else concurrent.futures.ProcessPoolExecutor(
-                workers, mp_context=multiprocessing.get_context("spawn"), initializer=torch.set_num_threads,
-                initargs=(1,))
+        n = workers or (1 if cuda else min(os.cpu_count() or 1, 4))
+        threads = {} if cuda else {"initializer": torch.set_num_threads, "initargs": (1,)}
+        self.pool = None if workers == 1 or (n == 1 and not cuda) else concurrent.futures.ProcessPoolExecutor(
+            n, mp_context=multiprocessing.get_context("spawn"), **threads)
         self.kinds: dict[str, str] = {}
         self.entries: dict[str, dict] = {}
         self.running: dict[concurrent.futures.Future, str] = {}
@@ -295,15 +292,19 @@ class Evaluation:
         self.close()
 
 
+class DeviceError(ValueError):
+    """An evaluation device that is not valid here."""
+
+
 def resolve_device(device: str) -> str:
     """"auto" → "cuda" where PyTorch sees a GPU, else "cpu"; "cuda" without one is refused with what is seen."""
     if device not in Evaluation.DEVICES:
-        raise ValueError(f"eval device {device!r}: valid are {', '.join(Evaluation.DEVICES)} (auto: the GPU where "
+        raise DeviceError(f"eval device {device!r}: valid are {', '.join(Evaluation.DEVICES)} (auto: the GPU where "
                          "there is one)")
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("eval device 'cuda': PyTorch sees no GPU here (torch.cuda.is_available() is False; this "
+        raise DeviceError("eval device 'cuda': PyTorch sees no GPU here (torch.cuda.is_available() is False; this "
                          f"torch is {torch.__version__}); use device=cpu, or run where a GPU is visible")
     return device
 
@@ -320,21 +321,31 @@ def manifest_models(m: dict) -> list[tuple[str, str, str | None, str | None, str
     return models
 
 
-def check_manifest(m: dict, where: str = "the manifest") -> None:
-    """Before any model is loaded: every checkpoint the manifest names is a saved model directory, and every task
-    file it records is still there (a run directory moved or cleaned up failed inside an evaluation process, as a
-    traceback from the loader)."""
+class ManifestError(ValueError):
+    """A run manifest ``rlk3 eval`` cannot evaluate (the CLI prints it, where other errors keep their traceback)."""
+
+
+def read_manifest(path: Path) -> dict:
+    """The manifest at ``path``, checked before any model is loaded: every checkpoint it names is a saved model
+    directory, and every task file it records is still there (a run directory moved or cleaned up failed inside an
+    evaluation process, as a traceback from the loader)."""
+    where = str(path)
+    try:
+        m = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ManifestError(f"{where} is not JSON ({e}); a manifest is what the demo stage writes") from None
     if not isinstance(m, dict) or "sft" not in m:
-        raise ValueError(f"{where} names no 'sft' checkpoint: a run manifest is what the demo stage writes "
+        raise ManifestError(f"{where} names no 'sft' checkpoint: a run manifest is what the demo stage writes "
                          "(<run.output_dir>/manifest.json), with sft, teachers and student checkpoints")
     for name, _kind, _d, _e, path in manifest_models(m):
         if not (Path(path) / "config.json").is_file():
-            raise ValueError(f"{where}: {name}'s checkpoint {path!r} is not a saved model (no config.json there)")
+            raise ManifestError(f"{where}: {name}'s checkpoint {path!r} is not a saved model (no config.json there)")
     for d, (path, fmt, *own) in (m.get("files") or {}).items():
         for p in (path, *own):
             if not Path(p).is_file():
-                raise ValueError(f"{where}: the {d} task file {p!r} ({fmt}) is gone; its held-out tasks are what "
+                raise ManifestError(f"{where}: the {d} task file {p!r} ({fmt}) is gone; its held-out tasks are what "
                                  f"{d} is evaluated on")
+    return m
 
 
 def tasks_per_slice(heldout, n: int | None = None) -> dict[str, int]:
@@ -353,8 +364,7 @@ def run_eval(manifest_path: str | Path, n: int | None = None, log=print, workers
     from rlk3.report import acceptance_summary, slice_table, write_report
 
     manifest_path = Path(manifest_path)
-    m = json.loads(manifest_path.read_text())
-    check_manifest(m, str(manifest_path))
+    m = read_manifest(manifest_path)
     with contextlib.nullcontext(started) if started else Evaluation.of_manifest(m, n, workers, log, device) as ev:
         for model in manifest_models(m):  # the caller's evaluation is the caller's to close
             if model[0] not in ev:

@@ -265,12 +265,12 @@ class Cluster:
         return trajs, stats, time.perf_counter() - t
 
     def _rollout(self, it: int, state: dict | None, ahead: bool = False) -> tuple[list[Trajectory], dict]:
+        worker = self._live_worker()
         if state is not None:  # a resume: the checkpoint's buffer
-            ray.get(self._live_worker().load_state.remote(state))
-        if state is not None or self._buffer is None:
-            self._buffer = ray.get(self._live_worker().state.remote())
-        else:
-            self._live_worker()
+            ray.get(worker.load_state.remote(state))
+            self._buffer = state
+        elif self._buffer is None:  # the first rollout of this driver
+            self._buffer = ray.get(worker.state.remote())
         trains_under = self.version + ahead  # the version these trajectories will train under
         for attempt in range(3):
             try:
