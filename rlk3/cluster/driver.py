@@ -132,7 +132,7 @@ class Cluster:
     ranks, one bundle each (rank 0 shares the rollout worker's when colocated), joined into one process group.
     A rollout worker that dies is restarted, given the trainer's weights and the carry-over buffer as the last
     rollout left it: in a rollout, the iteration runs again; between rollouts (an evaluation, a weight push, a
-    checkpoint), before the next call to it. No trajectory is lost.
+    checkpoint), before the next call to it; in a weight push, at once. No trajectory is lost.
 
     Under ``cluster.overlap`` a rollout (and so a restart) runs on a thread while the driver trains: calls that go
     to every train rank are submitted under one lock, so each rank sees them in the same order (two collectives
@@ -196,6 +196,13 @@ class Cluster:
             ray.get(self.worker.load_state.remote(self._buffer))
         self.version = self._push() if ray.get(self.trainer.version.remote()) else 0
 
+    def _worker_alive(self) -> bool:
+        try:
+            ray.get(self.worker.__ray_ready__.remote())
+            return True
+        except RayActorError:
+            return False
+
     def _live_worker(self):
         """The rollout worker, revived first if it died since its last rollout."""
         try:
@@ -219,10 +226,11 @@ class Cluster:
         with self._submit:  # the version read, then the weights, with no other train call between them on rank 0
             v = self.trainer.version.remote() if version is None else version
             if mode == "broadcast":  # sent inside the trainer's call: a step queued after it waits for it
-                refs = [*self._on_all("send_weights"), self.worker.recv_weights.remote(v)]
+                train = self._on_all("send_weights")
+                taken = self.worker.recv_weights.remote(v)
             elif mode == "object_store":  # serialised when rank 0's call returns, before a step queued after it runs
                 w = self._on_all("weights")  # the other ranks take part in gathering them
-                refs = [self.worker.update_weights.remote(w[0], v), *w[1:]]
+                train, taken = w[1:], self.worker.update_weights.remote(w[0], v)
             else:  # cuda_ipc: the engine reads the trainer's own tensors; no step may be submitted until it has
                 refs = self._on_all("share_weights")
                 ray.get(refs[1:])
@@ -230,8 +238,17 @@ class Cluster:
                     ray.get(self.worker.open_cuda_weights.remote(refs[0], v))
                 finally:  # copied (or refused): the trainer's tensors behind the handles are no longer needed
                     ray.get(self.trainer.drop_shared.remote())
-                refs = []
-        ray.get(refs)
+                train, taken = [], None
+        try:
+            if taken is not None:
+                ray.get(taken)
+        except RayActorError:
+            # the engine's side first: a rollout worker that dies as it takes a broadcast makes rank 0's send fail
+            # too, and that failure is the worker's death, which the caller revives, not an error of the trainer's
+            if train:
+                ray.wait(train, num_returns=len(train))
+            raise
+        ray.get(train)
         return ray.get(v) if version is None else version
 
     def _on_all(self, method: str, *args) -> list:
@@ -306,8 +323,13 @@ class Cluster:
         if version > self.version:
             self._live_worker()  # one revived here starts with the trainer's weights
             if version > self.version:
-                self._push(version)
-                self.version = version
+                try:
+                    self._push(version)
+                    self.version = version
+                except RayActorError as e:
+                    if self._worker_alive():  # another actor died (a train rank): not the rollout worker's to mend
+                        raise
+                    self._revive("during a weight push", e)  # the new worker gets the trainer's weights
         return self.version
 
     def evaluate(self, budget: int) -> dict:

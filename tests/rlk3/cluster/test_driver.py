@@ -517,3 +517,57 @@ def test_a_rollout_worker_that_dies_between_rollouts_is_revived_with_its_buffer(
         assert max(v for t in trajs for v in t.policy_versions) == 1
     finally:
         cluster.close()
+
+
+@pytest.mark.slow  # a Ray cluster of its own per sync mode, ~1 min each: the default suite stays near 20 min
+@pytest.mark.parametrize("sync", ["object_store", "broadcast"])
+def test_a_rollout_worker_that_dies_taking_a_weight_push_is_revived_with_the_weights(init_dir, tmp_path, ray_local,
+                                                                                    monkeypatch, sync):
+    """A rollout worker that died while it took the trainer's weights (out of memory in the copy, say) stopped the
+    run: the driver's sync raised Ray's error, and with ``broadcast`` rank 0's send failed beside it, its peer gone.
+    It is revived at once, the new worker given the weights (over a fresh group for ``broadcast``), and the next
+    rollout samples from them: its tokens are labelled with the new version, and the trainer's recompute of their
+    log-probs matches the engine's."""
+    import ray
+
+    from rlk3.cluster import driver
+    from rlk3.cluster.workers import RolloutWorker
+
+    died = tmp_path / "died"
+
+    class DiesTakingWeights(RolloutWorker):  # the first worker dies in its first weight update, halfway through
+        def _first(self) -> bool:
+            if died.exists():
+                return False
+            died.write_text(str(os.getpid()))
+            return True
+
+        def update_weights(self, weights, version):
+            if self._first():
+                os._exit(1)
+            super().update_weights(weights, version)
+
+        def recv_weights(self, version):
+            if self._first():
+                next(self.wgroup.recv())  # the header and the first bucket taken, the rest of the send in flight
+                os._exit(1)
+            super().recv_weights(version)
+
+    monkeypatch.setattr(driver, "RolloutWorker", DiesTakingWeights)
+    extra = {"cluster.weight_sync": sync, "cluster.colocate": sync != "broadcast", "run.checkpoint_every": 100,
+             "rollout.lam": 1.0}
+    cluster = driver.Cluster(load_config(ROOT / "configs/quickstart.yaml", overrides(tmp_path / "o", init_dir,
+                                                                                     **extra)), tmp_path / "o")
+    try:
+        trajs, _, _ = cluster.rollout(0, None)
+        cluster.train(trajs)
+        first = ray.get(cluster.worker.pid.remote())
+        assert cluster.sync() == 1
+        assert died.read_text() == str(first) and ray.get(cluster.worker.pid.remote()) != first
+        trajs, stats, _ = cluster.rollout(1, None)
+        assert stats["restarts"] == 0 and {v for t in trajs for v in t.policy_versions} == {1}
+        m = cluster.train(trajs)
+        assert m["train/stale_frac"] == 0.0 and abs(m["train/is_weight_mean"] - 1) < 1e-3  # version 1's weights
+        assert cluster.sync() == 2  # the (new) worker takes the next push as any other
+    finally:
+        cluster.close()
