@@ -335,6 +335,20 @@ def task_files(cfg: Config) -> dict[str, tuple[str, ...]]:
     return out
 
 
+def heldout_notes(cfg: Config) -> list[str]:
+    """A line for each ``tasks.files`` entry whose held-out file shares prompts with its train file: those records
+    are left out of evaluation (``envs.tasks.heldout_overlap``), and a run says how many at its start."""
+    from envs.tasks import heldout_overlap
+
+    files, out = task_files(cfg), []
+    for d, (path, _fmt, *own) in files.items():
+        dropped, records = heldout_overlap(files, d) if own else (0, 0)
+        if dropped:
+            out.append(f"tasks.files.{d}: {dropped} of the {records} records of {own[0]} have a prompt the train "
+                       f"file {path} also holds; they are not evaluated")
+    return out
+
+
 def heldout_sizes(cfg: Config) -> dict[str, int]:
     """Held-out tasks per domain for evaluation: ``tasks.heldout_sizes`` where given, else ``tasks.heldout_size``."""
     return {d: int(cfg.tasks.heldout_sizes.get(d, cfg.tasks.heldout_size)) for d in DOMAINS}
@@ -826,7 +840,7 @@ def _check_overrides_match(cfg: Config) -> None:
 def _check_task_records(cfg: Config) -> None:
     """Every record of every ``tasks.files`` file converts to a task (the error names the record), and each file
     has train tasks to draw, and held-out ones where the domain is evaluated."""
-    from envs.tasks import TaskError, file_tasks
+    from envs.tasks import TaskError, file_tasks, heldout_overlap
 
     files = task_files(cfg)
     sizes = heldout_sizes(cfg)
@@ -836,6 +850,11 @@ def _check_task_records(cfg: Config) -> None:
         except TaskError as e:
             raise ConfigError(f"tasks.files.{d}: {e}") from None
         if own:  # the dataset's own split: each file is one side whole
+            dropped, records = heldout_overlap(files, d)
+            if records and dropped == records and sizes[d]:
+                raise ConfigError(f"tasks.files.{d}.heldout={own[0]!r}: all {records} of its records have a "
+                                  f"prompt the train file {path!r} also holds, so nothing held out is left to "
+                                  f"evaluate {d} on; name the dataset's test file, or set tasks.heldout_sizes.{d}=0")
             for name, side, tasks in ((path, "path", train), (own[0], "heldout", heldout)):
                 if not tasks and (side == "path" or sizes[d]):
                     raise ConfigError(f"tasks.files.{d}.{side}={name!r} holds no records")

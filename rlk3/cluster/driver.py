@@ -21,13 +21,15 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlk3.cluster.checkpoint import Checkpoints, MetricsLog, resume_point
 from rlk3.cluster.workers import RolloutWorker, TrainWorker, budget_fn
-from rlk3.config import heldout_sizes
+from rlk3.config import heldout_notes, heldout_sizes
 from rlk3.rollout.trajectory import Trajectory
 
 
 def run_rl(cfg, log=print) -> Path:
     out = Path(cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    for note in heldout_notes(cfg):
+        log(f"rl: {note}")
     cluster = Cluster(cfg, out)
     ckpts, metrics = Checkpoints(out / "checkpoints"), MetricsLog(out, cfg)
     start, rollout_state = 0, None

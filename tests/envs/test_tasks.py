@@ -2,12 +2,15 @@
 
 import json
 import subprocess
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from envs.tasks import SUITES, TaskError, agentic, coding, general, get_tasks
 from envs.tasks.loaders import EXAMPLES, FORMATS, load
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("domain", sorted(SUITES))
@@ -257,6 +260,31 @@ def test_a_dataset_that_ships_its_own_split_is_read_as_two_files(tmp_path):
     assert 0 < len(hashed) < 30
     assert [t.task_id for t in get_tasks("general", "heldout", 3, start=2, files=files)] == [
         f"gsm8k/heldout/{i}" for i in (2, 3, 4)]
+
+
+def test_a_held_out_record_whose_question_the_train_file_holds_is_not_held_out(tmp_path):
+    """A dataset's own split is taken as shipped, and nothing checked that its held-out file shares no question with
+    its train file: a duplicate was evaluated after training on it. The question-hash split of one file can never do
+    that; the own split now keeps the same promise. Those records are left out of the held-out tasks (whitespace
+    does not make a question new), the others keep the ids of their rows, and the run says how many it left out."""
+    from envs.tasks import file_tasks, heldout_overlap
+    from rlk3.config import heldout_notes, load_config
+
+    train, test = gsm8k_file(tmp_path / "train.jsonl", 30), tmp_path / "test.jsonl"
+    rows = [json.loads(line) for line in train.read_text().splitlines()]
+    fresh = [{**r, "question": r["question"].replace("apples", "pears")} for r in rows[:5]]
+    dupes = [rows[3], {**rows[8], "question": "  " + rows[8]["question"].replace(" ", "\n ", 2) + "\t"}]
+    test.write_text("".join(json.dumps(r) + "\n" for r in [fresh[0], dupes[0], *fresh[1:3], dupes[1], *fresh[3:]]))
+    files = {"general": (str(train), "gsm8k", str(test))}
+    held = file_tasks(files, "general", "heldout")
+    assert [t.task_id for t in held] == [f"gsm8k/heldout/{i}" for i in (0, 2, 3, 5, 6)]
+    assert all("pears" in t.prompt for t in held) and heldout_overlap(files, "general") == (2, 7)
+    assert len(file_tasks(files, "general", "train")) == 30  # the train side keeps every record
+    assert heldout_overlap({"general": (str(train), "gsm8k")}, "general") == (0, 0)
+    cfg = load_config(ROOT / "configs/quickstart.yaml",
+                      [f"tasks.files={{general: {{path: {train}, format: gsm8k, heldout: {test}}}}}"])
+    assert heldout_notes(cfg) == [f"tasks.files.general: 2 of the 7 records of {test} have a prompt the train file "
+                                  f"{train} also holds; they are not evaluated"]
 
 
 @pytest.mark.parametrize("name,text,match", [

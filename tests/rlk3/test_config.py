@@ -1,5 +1,6 @@
 """Config composition and validation: unknown keys and bad values fail before anything is allocated."""
 
+import json
 import re
 
 import pytest
@@ -191,7 +192,6 @@ def test_task_files_take_a_path_or_a_path_and_format_and_their_records_are_read_
     """A path alone takes its domain's one format (general: gsm8k, agentic: swe); coding names mbpp or humaneval.
     The stage's entry (``check_paths``, before Ray) reads every record: a bad one is an error naming it, and so is a
     file whose records all hash to one side of the train/held-out split."""
-    import json
 
     from rlk3.config import check_paths, derive, task_files
 
@@ -234,7 +234,14 @@ def test_task_files_take_a_path_or_a_path_and_format_and_their_records_are_read_
     # a dataset's own split (verl's train.parquet and test.parquet): each file is one side whole, and the teachers
     # stage hands the held-out file on to each teacher with the train file
     test = tmp_path / "test.jsonl"
-    test.write_text((EXAMPLES / "gsm8k.jsonl").read_text().splitlines()[0] + "\n")
+    first = (EXAMPLES / "gsm8k.jsonl").read_text().splitlines()[0]
+    test.write_text(first + "\n")  # a question the train file holds: nothing would be held out
+    with pytest.raises(ConfigError, match=r"tasks.files.general.heldout='.*test.jsonl': all 1 of its records have a "
+                                          r"prompt the train file .*gsm8k.jsonl' also holds.*heldout_sizes.general=0"):
+        check_paths(load_config(write(tmp_path, "defaults: [stage/rl]\n"), [
+            f"tasks.files={{general: {{path: {EXAMPLES}/gsm8k.jsonl, format: gsm8k, heldout: {test}}}}}"]))
+    rec = json.loads(first)
+    test.write_text(json.dumps({**rec, "question": rec["question"] + " (again)"}) + "\n")
     own = load_config(write(tmp_path, "defaults: [stage/rl]\n"), [
         f"tasks.files={{general: {{path: {EXAMPLES}/gsm8k.jsonl, format: gsm8k, heldout: {test}}}}}"])
     assert task_files(own) == {"general": (f"{EXAMPLES}/gsm8k.jsonl", "gsm8k", str(test))}
@@ -507,7 +514,6 @@ def test_eval_on_cuda_without_a_gpu_says_what_it_sees(tmp_path, capsys, monkeypa
 
 def test_eval_checks_the_manifest_before_loading_a_model(tmp_path, capsys):
     # a moved or cleaned-up run directory failed inside an evaluation process, as a loader's traceback
-    import json
 
     from rlk3.cli import main
 
