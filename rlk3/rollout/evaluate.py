@@ -135,7 +135,9 @@ def evaluate_policy(
 
     engine = RolloutEngine(model, engine_config or default_engine_config(next(model.parameters()).device))
     cfg = loop_config or LoopConfig(temperature=0.0, max_turn_tokens=512, max_context_tokens=4096)
-    domains = tuple(sorted({s[0] for s in slices}))
+    # only domains with tasks to run: a manifest that evaluates no agentic or coding task (tasks.heldout_sizes.<d>=0)
+    # needs no sandbox server, which a GPU node without bubblewrap could not start
+    domains = tuple(sorted({d for d, _, _ in slices if (n[d] if isinstance(n, Mapping) else n)}))
     with RolloutEnv(tokenizer, domains=domains, sandbox_url=sandbox_url) as env:
         loop = env.loop(engine, cfg)
 

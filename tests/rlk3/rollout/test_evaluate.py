@@ -39,6 +39,25 @@ def test_a_domain_with_a_task_file_is_evaluated_on_the_files_heldout_tasks(gener
     assert all(t.task_id.startswith("gsm8k/heldout/") for t in trajs)  # none of the file's train tasks
 
 
+def test_an_evaluation_of_sandbox_free_domains_starts_no_sandbox_server(general_policy, monkeypatch):
+    """A manifest that evaluates no agentic or coding task (their held-out sizes 0) still started the sandbox server
+    for their (empty) slices: on a node without bubblewrap, a GPU box say, the evaluation failed before its first
+    episode. Only domains with tasks to run get a harness and, with tools, the server."""
+    from envs.sandbox.launch import LocalServer
+    from rlk3.rollout.demos import DEFAULT_BUDGETS
+    from rlk3.rollout.evaluate import evaluate_policy
+
+    def start(self):
+        raise AssertionError("the sandbox server was started")
+
+    monkeypatch.setattr(LocalServer, "start", start)
+    model, tok = general_policy
+    slices = [(d, "high", DEFAULT_BUDGETS["high"]) for d in ("general", "agentic", "coding")]
+    res, trajs = evaluate_policy(copy.deepcopy(model), tok, slices, {"general": 3, "agentic": 0, "coding": 0},
+                                 loop_config=LoopConfig(temperature=0.0, max_turn_tokens=16))
+    assert [(r.domain, r.n) for r in res] == [("general", 3), ("agentic", 0), ("coding", 0)] and len(trajs) == 3
+
+
 @pytest.mark.gpu
 def test_an_evaluation_on_the_gpu_scores_as_the_cpus(general_policy, tmp_path):
     """``python -m rlk3 eval`` on a GPU box (device=auto): each model's engine on the card, in the checkpoint's dtype
@@ -70,10 +89,12 @@ def test_an_evaluation_on_the_gpu_scores_as_the_cpus(general_policy, tmp_path):
     assert all(abs(a.pass_rate - b.pass_rate) <= 2 / 16 for a, b in zip(cpu, gpu))
     # the stage itself: the manifest's model in a process beside this one, on the card, eval.json written
     manifest = tmp_path / "manifest.json"
-    manifest.write_text(json.dumps({"sft": str(tmp_path / "base"), "heldout": {"general": 4, "agentic": 1,
-                                                                                "coding": 1},
+    # general alone (agentic and coding 0): no sandbox server, which a GPU node without bubblewrap cannot start
+    manifest.write_text(json.dumps({"sft": str(tmp_path / "base"), "heldout": {"general": 4, "agentic": 0,
+                                                                                "coding": 0},
                                     "loop": {"max_turns": 1, "max_turn_tokens": 32, "max_context_tokens": 512}}))
     lines = []
     run_eval(manifest, log=lines.append)
     (entry,) = json.loads((tmp_path / "eval.json").read_text())["models"]
     assert len(entry["slices"]) == 9 and any("(cuda)" in line for line in lines)
+    assert sorted(s["n"] for s in entry["slices"]) == [0] * 6 + [4] * 3
