@@ -198,18 +198,17 @@ class Cluster:
             ray.get(self.worker.load_state.remote(self._buffer))
         self.version = self._push() if ray.get(self.trainer.version.remote()) else 0
 
-    def _worker_alive(self) -> bool:
-        try:
-            ray.get(self.worker.__ray_ready__.remote())
-            return True
-        except RayActorError:
-            return False
-
-    def _live_worker(self):
-        """The rollout worker, revived first if it died since its last rollout."""
+    def _death(self) -> RayActorError | None:
+        """Ray's error if the rollout worker is dead (None while it answers)."""
         try:
             ray.get(self.worker.__ray_ready__.remote())
         except RayActorError as e:
+            return e
+        return None
+
+    def _live_worker(self):
+        """The rollout worker, revived first if it died since its last rollout."""
+        if (e := self._death()) is not None:
             self._revive("between rollouts", e)
         return self.worker
 
@@ -329,7 +328,7 @@ class Cluster:
                     self._push(version)
                     self.version = version
                 except RayActorError as e:
-                    if self._worker_alive():  # another actor died (a train rank): not the rollout worker's to mend
+                    if self._death() is None:  # another actor died (a train rank): not the rollout worker's to mend
                         raise
                     self._revive("during a weight push", e)  # the new worker gets the trainer's weights
         return self.version
