@@ -342,7 +342,7 @@ def heldout_notes(cfg: Config) -> list[str]:
 
     files, out = task_files(cfg), []
     for d, (path, _fmt, *own) in files.items():
-        dropped, records = heldout_overlap(files, d) if own else (0, 0)
+        dropped, records = heldout_overlap(files, d)  # (0, 0) without a held-out file
         if dropped:
             out.append(f"tasks.files.{d}: {dropped} of the {records} records of {own[0]} have a prompt the train "
                        f"file {path} also holds; they are not evaluated")

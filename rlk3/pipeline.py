@@ -300,12 +300,12 @@ def resolve_device(device: str) -> str:
     """"auto" → "cuda" where PyTorch sees a GPU, else "cpu"; "cuda" without one is refused with what is seen."""
     if device not in Evaluation.DEVICES:
         raise DeviceError(f"eval device {device!r}: valid are {', '.join(Evaluation.DEVICES)} (auto: the GPU where "
-                         "there is one)")
+                          "there is one)")
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise DeviceError("eval device 'cuda': PyTorch sees no GPU here (torch.cuda.is_available() is False; this "
-                         f"torch is {torch.__version__}); use device=cpu, or run where a GPU is visible")
+                          f"torch is {torch.__version__}); use device=cpu, or run where a GPU is visible")
     return device
 
 
@@ -336,7 +336,7 @@ def read_manifest(path: Path) -> dict:
         raise ManifestError(f"{where} is not JSON ({e}); a manifest is what the demo stage writes") from None
     if not isinstance(m, dict) or "sft" not in m:
         raise ManifestError(f"{where} names no 'sft' checkpoint: a run manifest is what the demo stage writes "
-                         "(<run.output_dir>/manifest.json), with sft, teachers and student checkpoints")
+                            "(<run.output_dir>/manifest.json), with sft, teachers and student checkpoints")
     for name, _kind, _d, _e, path in manifest_models(m):
         if not (Path(path) / "config.json").is_file():
             raise ManifestError(f"{where}: {name}'s checkpoint {path!r} is not a saved model (no config.json there)")
@@ -344,7 +344,7 @@ def read_manifest(path: Path) -> dict:
         for p in (path, *own):
             if not Path(p).is_file():
                 raise ManifestError(f"{where}: the {d} task file {p!r} ({fmt}) is gone; its held-out tasks are what "
-                                 f"{d} is evaluated on")
+                                    f"{d} is evaluated on")
     return m
 
 

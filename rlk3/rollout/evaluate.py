@@ -63,7 +63,7 @@ async def evaluate_slices(
     Returns the per-slice summary and every trajectory (for inspection: ``metrics['grade_reasons']`` says why each
     one failed)."""
     sem = asyncio.Semaphore(concurrency)
-    counts = {d: n[d] if isinstance(n, Mapping) else n for d in {s[0] for s in slices}}
+    counts = {d: _count(n, d) for d in {s[0] for s in slices}}
     tasks = {d: get_tasks(d, split, k, files=files) for d, k in counts.items()}
 
     async def one(task, effort, budget):
@@ -81,6 +81,11 @@ async def evaluate_slices(
         mine = [tr for (dd, ee, _, _), tr in zip(jobs, trajs) if dd == d and ee == e]
         out.append(summarize(d, e, mine))
     return out, list(trajs)
+
+
+def _count(n: int | Mapping[str, int], domain: str) -> int:
+    """Held-out tasks per slice of ``domain``: ``n`` for every domain, or its entry."""
+    return n[domain] if isinstance(n, Mapping) else n
 
 
 def format_slices(results: list[SliceResult]) -> str:
@@ -137,7 +142,7 @@ def evaluate_policy(
     cfg = loop_config or LoopConfig(temperature=0.0, max_turn_tokens=512, max_context_tokens=4096)
     # only domains with tasks to run: a manifest that evaluates no agentic or coding task (tasks.heldout_sizes.<d>=0)
     # needs no sandbox server, which a GPU node without bubblewrap could not start
-    domains = tuple(sorted({d for d, _, _ in slices if (n[d] if isinstance(n, Mapping) else n)}))
+    domains = tuple(sorted({d for d, _, _ in slices if _count(n, d)}))
     with RolloutEnv(tokenizer, domains=domains, sandbox_url=sandbox_url) as env:
         loop = env.loop(engine, cfg)
 

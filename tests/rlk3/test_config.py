@@ -192,7 +192,6 @@ def test_task_files_take_a_path_or_a_path_and_format_and_their_records_are_read_
     """A path alone takes its domain's one format (general: gsm8k, agentic: swe); coding names mbpp or humaneval.
     The stage's entry (``check_paths``, before Ray) reads every record: a bad one is an error naming it, and so is a
     file whose records all hash to one side of the train/held-out split."""
-
     from rlk3.config import check_paths, derive, task_files
 
     cfg = load_config(write(tmp_path, "defaults: [stage/teachers]\n"), [
@@ -514,7 +513,6 @@ def test_eval_on_cuda_without_a_gpu_says_what_it_sees(tmp_path, capsys, monkeypa
 
 def test_eval_checks_the_manifest_before_loading_a_model(tmp_path, capsys):
     # a moved or cleaned-up run directory failed inside an evaluation process, as a loader's traceback
-
     from rlk3.cli import main
 
     manifest = tmp_path / "manifest.json"
