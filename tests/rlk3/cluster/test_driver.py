@@ -490,10 +490,17 @@ def test_a_rollout_worker_that_dies_between_rollouts_is_revived_with_its_buffer(
     extra = {"rollout.lam": 0.5, "rollout.max_staleness": 2, "run.checkpoint_every": 100}
     cluster = Cluster(load_config(ROOT / "configs/quickstart.yaml", overrides(tmp_path / "o", init_dir, **extra)),
                       tmp_path / "o")
+
     def kill(actor):  # dead before the driver's next call (ray.kill returns before the process is gone)
         pid = ray.get(actor.pid.remote())
         os.kill(pid, signal.SIGKILL)
-        while os.path.exists(f"/proc/{pid}") and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]:
+        while True:  # until reaped or a zombie; /proc/<pid> may vanish between any two reads of it
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except FileNotFoundError:
+                return
+            if state == "Z":
+                return
             time.sleep(0.01)
 
     try:
